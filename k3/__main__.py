@@ -1,0 +1,5 @@
+import sys
+
+from k3.cli import main
+
+sys.exit(main())
