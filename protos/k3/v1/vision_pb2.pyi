@@ -1,0 +1,48 @@
+from k3.protos.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Media(_message.Message):
+    __slots__ = ("image", "video", "content_hash")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    video: VideoFrames
+    content_hash: str
+    def __init__(self, image: _Optional[bytes] = ..., video: _Optional[_Union[VideoFrames, _Mapping]] = ..., content_hash: _Optional[str] = ...) -> None: ...
+
+class VideoFrames(_message.Message):
+    __slots__ = ("frames", "container")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedScalarFieldContainer[bytes]
+    container: bytes
+    def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., container: _Optional[bytes] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("media",)
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    media: _containers.RepeatedCompositeFieldContainer[Media]
+    def __init__(self, media: _Optional[_Iterable[_Union[Media, _Mapping]]] = ...) -> None: ...
+
+class EncodedMedia(_message.Message):
+    __slots__ = ("content_hash", "tokens", "cache_hit")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    tokens: _common_pb2.Tensor
+    cache_hit: bool
+    def __init__(self, content_hash: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("media",)
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    media: _containers.RepeatedCompositeFieldContainer[EncodedMedia]
+    def __init__(self, media: _Optional[_Iterable[_Union[EncodedMedia, _Mapping]]] = ...) -> None: ...
