@@ -1,0 +1,96 @@
+from k3.protos.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "message_ends", "decode_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ENDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    message_ends: _containers.RepeatedScalarFieldContainer[int]
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., message_ends: _Optional[_Iterable[int]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "cached_tokens", "computed_tokens", "checkpoints_stored")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_STORED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    checkpoints_stored: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., checkpoints_stored: _Optional[int] = ...) -> None: ...
+
+class HandoffChunk(_message.Message):
+    __slots__ = ("request_id", "state", "last_logits", "total_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: bytes
+    last_logits: bytes
+    total_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[bytes] = ..., last_logits: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class HandoffAck(_message.Message):
+    __slots__ = ("request_id", "slot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    slot: int
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id", "sampling", "stop_token_ids", "message_ends")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ENDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sampling: _inference_pb2.SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    message_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., message_ends: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CancelRequestById(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("running", "queued", "tokens_processed", "free_slots", "aborted")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    queued: int
+    tokens_processed: int
+    free_slots: int
+    aborted: int
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., free_slots: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
