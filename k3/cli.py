@@ -15,6 +15,10 @@ import sys
 # Order is the order of ``k3 --help``. Each entry is a module exposing ``register(subparsers)``.
 COMMAND_MODULES = [
     "k3.commands.version",
+    "k3.commands.model",
+    "k3.commands.infra",
+    "k3.commands.serve",
+    "k3.commands.tokenizer",
 ]
 
 

@@ -196,6 +196,8 @@ class KimiDeltaAttention(nn.Module):
         """Initialise ``W_fb``, ``A_log`` and ``dt_bias`` as described in the module docstring."""
         H, K = self.num_heads, self.head_dim
         self.w_fb.weight.zero_()
+        if self.A_log.device.type == "meta":
+            return  # nothing to initialise (parameter counting); meta math would pull in torch._dynamo
         self.A_log.copy_(torch.empty(H).uniform_(*INIT_A_RANGE).log())
         lo, hi = (math.log(x) for x in INIT_LOG_DECAY_RANGE)
         g0 = torch.empty(H, K).uniform_(lo, hi).exp()  # |initial log decay|
