@@ -19,8 +19,18 @@ from k3.services.bus.api import (
     validate_topic,
 )
 from k3.services.bus.embedded import EmbeddedBus, EmbeddedConfig
-from k3.services.bus.kafka_bus import KafkaBus, KafkaConfig
 from k3.services.bus.url import open_bus
+
+_KAFKA_NAMES = ("KafkaBus", "KafkaConfig")
+
+
+def __getattr__(name: str):
+    # The Kafka backend is loaded on first use: importing kafka-python costs about a second.
+    if name in _KAFKA_NAMES:
+        from k3.services.bus import kafka_bus
+
+        return getattr(kafka_bus, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BusUnavailable",

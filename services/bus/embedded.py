@@ -3,9 +3,9 @@
 Layout under the bus directory::
 
     topics/<topic>.log                 one append-only segment per topic (format: segment.py)
-    groups/<hash>.json                 committed offsets of a consumer group (offsets.py)
-    groups/<hash>.lock                 serialises commits of that group
-    groups/<hash>.<topic>.member       held (flock) by the group's consumer that owns the topic
+    groups/<hash>/offsets.json         committed offsets of a consumer group (offsets.py)
+    groups/<hash>/commit.lock          serialises commits of that group
+    groups/<hash>/<topic>.owner        held (flock) by the group's consumer that owns the topic
 
 Design decisions:
 - Every topic has exactly one partition, 0. Keys are stored and delivered but do not route: with one
@@ -16,7 +16,7 @@ Design decisions:
   A topic's torn tail is also cut off when a bus first opens the topic.
 - ``publish`` returns after ``fsync`` (``EmbeddedConfig.fsync``), which is what "durable" means here.
 - Group membership mirrors Kafka with one partition per topic: one consumer of a group owns a topic at a
-  time (an exclusive ``flock`` on the member file); other consumers of the group get nothing from that
+  time (an exclusive ``flock`` on its ``.owner`` file); other consumers of the group get nothing from that
   topic until the owner closes or its process dies (the kernel drops the lock), and then continue from
   the group's committed offset, exactly as after a Kafka rebalance.
 - A seek past the end of a topic is kept: polls return nothing until the topic grows that far (Kafka
@@ -87,7 +87,7 @@ class TopicLog:
                 try:
                     if os.fstat(self._fd).st_size == 0:
                         self._write_all(segment.FILE_HEADER, 0)
-                    segment.check_header(self._fd)
+                    segment.check_header(self._fd, str(path))
                     self._catch_up(truncate=True)
                 finally:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -7,8 +7,8 @@ Design decisions:
   file; consumers of the same group in other processes commit other topics without losing each other's
   offsets. The lock file, not the JSON file, carries the lock because the JSON file's inode changes with
   every rename.
-- Group ids may contain any characters, so file names are a hash of the id; the id itself is stored
-  inside the file for people reading the directory.
+- Group ids may contain any characters, so a group's directory is named by a hash of the id; the id
+  itself is stored inside the offsets file for people reading the directory.
 """
 
 from __future__ import annotations
@@ -23,19 +23,24 @@ from pathlib import Path
 
 
 class GroupOffsets:
-    """The committed offsets of one consumer group: ``{topic: next offset to read}``."""
+    """The committed offsets of one consumer group: ``{topic: next offset to read}``.
 
-    def __init__(self, directory: Path, group: str):
+    Files, in ``<groups directory>/<hash of the group id>/``: ``offsets.json`` (the offsets),
+    ``commit.lock`` (serialises commits) and ``<topic>.owner`` (see ``member_path``).
+    """
+
+    def __init__(self, groups_directory: Path, group: str):
         self.group = group
         digest = hashlib.sha256(group.encode("utf-8")).hexdigest()[:32]
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{digest}.json"
-        self._lock_path = directory / f"{digest}.lock"
-        self._digest = digest
+        self.directory = groups_directory / digest
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / "offsets.json"
+        self._lock_path = self.directory / "commit.lock"
 
     def member_path(self, topic: str) -> Path:
         """The file whose ``flock`` marks the group member that owns ``topic`` (see embedded.py)."""
-        return self.path.with_name(f"{self._digest}.{topic}.member")
+        # A 249-character topic (Kafka's maximum) plus ".owner" still fits the usual 255-byte name limit.
+        return self.directory / f"{topic}.owner"
 
     def load(self) -> dict[str, int]:
         try:

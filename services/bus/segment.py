@@ -28,7 +28,7 @@ FRAME_OVERHEAD = _FRAME.size + _BODY.size
 _SCAN_CHUNK = 1 << 20
 
 
-class SegmentCorrupt(Exception):
+class SegmentCorrupt(ValueError):
     """The file is not a segment file (wrong header)."""
 
 
@@ -55,11 +55,11 @@ def decode(frame: bytes) -> Frame:
     return Frame(timestamp_ms, bytes(body[start : start + key_length]), bytes(body[start + key_length :]))
 
 
-def check_header(fd: int) -> None:
-    """Raises SegmentCorrupt when a non-empty file does not start with the segment header."""
+def check_header(fd: int, name: str) -> None:
+    """Raises SegmentCorrupt when the non-empty file ``name`` does not start with the segment header."""
     head = os.pread(fd, len(FILE_HEADER), 0)
     if head and head != FILE_HEADER[: len(head)]:
-        raise SegmentCorrupt(f"not an event log segment (header {head!r})")
+        raise SegmentCorrupt(f"{name} is not an event log segment (it starts with {head!r})")
 
 
 def scan(fd: int, start: int, end: int, max_frame_bytes: int) -> tuple[list[int], int]:

@@ -9,10 +9,13 @@ names the URL, rather than as a connection error later.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from k3.services.bus.embedded import EmbeddedBus, EmbeddedConfig
-from k3.services.bus.kafka_bus import KafkaBus, KafkaConfig
+
+if TYPE_CHECKING:
+    from k3.services.bus.kafka_bus import KafkaBus, KafkaConfig
 
 _EXPECTED = "expected 'embedded:///path/to/dir' or 'kafka://host:port[,host:port]'"
 
@@ -29,7 +32,9 @@ def parse_kafka_servers(url: str, servers: str) -> list[str]:
     return result
 
 
-def open_bus(url: str, *, embedded: EmbeddedConfig | None = None, kafka: KafkaConfig | None = None):
+def open_bus(
+    url: str, *, embedded: EmbeddedConfig | None = None, kafka: KafkaConfig | None = None
+) -> EmbeddedBus | KafkaBus:
     """Opens the bus named by ``url``; ``embedded``/``kafka`` tune the respective backend."""
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"bus URL {url!r} has no scheme; {_EXPECTED}")
@@ -49,5 +54,9 @@ def open_bus(url: str, *, embedded: EmbeddedConfig | None = None, kafka: KafkaCo
     if scheme == "kafka":
         if not rest or "/" in rest.rstrip("/") or "?" in rest or "#" in rest:
             raise ValueError(f"bus URL {url!r} must be kafka://host:port[,host:port] with nothing after the servers")
-        return KafkaBus(parse_kafka_servers(url, rest.rstrip("/")), kafka)
+        servers = parse_kafka_servers(url, rest.rstrip("/"))
+        # Imported here: kafka-python takes about a second to import, which embedded users never need.
+        from k3.services.bus.kafka_bus import KafkaBus
+
+        return KafkaBus(servers, kafka)
     raise ValueError(f"bus URL {url!r} has unknown scheme {scheme!r}; {_EXPECTED}")
