@@ -1,0 +1,305 @@
+"""Absorbed MLA decode over a paged latent cache: split-K ("flash-decoding") Triton kernels.
+
+Layout and semantics are those of :mod:`k3.kernels.mla.reference` (read that first): ``kv_cache
+[num_pages, page_size, R + e]`` holds ``[RMSNorm(c_kv) | k_extra]`` per token, ``block_table [B, max_pages]``
+maps sequences to pages, and the ``Tq`` new tokens are the last ``Tq`` of each sequence.
+
+Design decisions:
+
+- All heads share one key/value stream (the latent), so a program handles a block of ``BM`` query rows — the
+  flattened ``(t, h)`` pairs of one sequence — against a key tile: two tensor-core products per tile
+  (``q_latent . c`` over R and ``q_extra . k_extra`` over e) give the scores, one more (``p . c``) the output.
+  Every latent row read from memory serves ``BM`` queries; with ``Tq * H <= BM`` the cache is read exactly once.
+- Split-K over the sequence: the key range is cut into ``num_splits`` slices, one program per (row block, slice,
+  sequence), so even a handful of long sequences fill the GPU. Each program writes its un-normalised partial
+  state as (normalised output, log-sum-exp); a second kernel merges the slices with the usual rescaling.
+  Row blocks vary fastest in the grid, so the programs reading one cache slice run side by side and share it
+  through L2.
+- Paging: tiles start at multiples of ``block_n`` within a sequence, so when ``page_size`` is a multiple of
+  ``block_n`` a tile lies in one page and costs one page-table read; otherwise its rows are gathered one by one
+  through ``block_table`` (``pos // page_size``), so any page size works. Page tables need not be contiguous.
+  Each cache row is one contiguous 1152-byte read.
+- No host synchronisation on the hot path: the number of slices comes from the static capacity of the page
+  table (or a ``max_seq_len`` hint), not from ``seq_lens``; slices that start past a sequence's end write an
+  empty partial (lse = -inf) and cost one early exit. ``validate=True`` (default) checks ``seq_lens`` and the page
+  ids in use on the host, which synchronises; serving loops that validated their tables turn it off.
+- Softmax in fp32 with exp2 and the scale folded into log2 space; ``p`` is rounded to the cache dtype for the
+  ``p . c`` product (bf16 tensor cores), accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3.kernels.cast import dot_upcast, round_to
+from k3.kernels.mla.reference import DEFAULT_SCALE, absorb_output, absorb_query, check_paged_inputs
+
+__all__ = ["MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Launch parameters of the decode kernels (``None`` fields are chosen from the problem).
+
+    Fields:
+        block_m: query rows ((t, h) pairs) per program, power of two >= 16; default: all ``Tq * H`` rows of a
+            sequence rounded up to a power of two, at most 64, so the cache is streamed once per sequence.
+        block_n: keys per inner step, power of two >= 16.
+        num_warps: for the split kernel; default 4 for 16-row blocks, 8 for larger ones (the fp32 accumulator
+            ``[block_m, R]`` lives in registers).
+        num_stages: software-pipelining depth of the key loop.
+        num_splits: slices of the key range; ``None`` picks enough to give ~2 programs per SM.
+    """
+
+    block_m: int | None = None
+    block_n: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+    num_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if name == "block_m" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"MLAConfig.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "num_stages", "num_splits"):
+            value = getattr(self, name)
+            if name != "num_stages" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLAConfig.{name} must be a positive integer, got {value!r}")
+
+    def resolve(self, rows: int) -> tuple[int, int]:
+        """``(block_m, num_warps)`` for ``rows`` query rows per sequence."""
+        block_m = self.block_m or min(64, max(16, triton.next_power_of_2(rows)))
+        return block_m, self.num_warps or (4 if block_m <= 16 else 8)
+
+
+@triton.jit
+def _mla_split_kernel(
+    ql_ptr, qe_ptr, kv_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr,
+    s_qlb, s_qlt, s_qlh, s_qeb, s_qet, s_qeh, s_kvp, s_kvr, s_btb,
+    s_opb, s_ops, s_opr, s_lb, s_ls,
+    H, Tq, split_len, qk_scale,
+    R: tl.constexpr, RP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, PAGE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(len_ptr + b).to(tl.int32)
+    rows = pid_m * BM + tl.arange(0, BM)
+    mask_r = rows < Tq * H
+    t = rows // H
+    h = rows % H
+    query_pos = seq_len - Tq + t  # absolute position of each query row
+    dr = tl.arange(0, RP)
+    de = tl.arange(0, EP)
+    mask_dr = dr < R
+    mask_de = de < E
+    ql = tl.load(ql_ptr + b * s_qlb + t[:, None] * s_qlt + h[:, None] * s_qlh + dr[None, :],
+                 mask=mask_r[:, None] & mask_dr[None, :], other=0.0)
+    qe = tl.load(qe_ptr + b * s_qeb + t[:, None] * s_qet + h[:, None] * s_qeh + de[None, :],
+                 mask=mask_r[:, None] & mask_de[None, :], other=0.0)
+    if UPCAST:  # see k3.kernels.cast
+        ql, qe = ql.to(tl.float32), qe.to(tl.float32)
+
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, RP), tl.float32)
+    for n0 in range(start, end, BN):
+        pos = n0 + tl.arange(0, BN)
+        mask_n = pos < end
+        if TILE_IN_PAGE:  # the whole tile lies in one page: one page-table read, affine row addresses
+            page = tl.load(bt_ptr + b * s_btb + n0 // PAGE).to(tl.int64)
+            row = kv_ptr + page * s_kvp + (n0 % PAGE + tl.arange(0, BN)) * s_kvr
+        else:
+            page = tl.load(bt_ptr + b * s_btb + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+            row = kv_ptr + page * s_kvp + (pos % PAGE) * s_kvr
+        c = tl.load(row[:, None] + dr[None, :], mask=mask_n[:, None] & mask_dr[None, :], other=0.0)
+        ke = tl.load(row[:, None] + R + de[None, :], mask=mask_n[:, None] & mask_de[None, :], other=0.0)
+        if UPCAST:
+            c, ke = c.to(tl.float32), ke.to(tl.float32)
+        s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(qe, tl.trans(ke), s, input_precision=PRECISION)
+        s = s * qk_scale  # log2 domain
+        visible = mask_n[None, :] & (pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(op_ptr + b * s_opb + split * s_ops + rows[:, None] * s_opr + dr[None, :], o,
+             mask=mask_r[:, None] & mask_dr[None, :])
+    tl.store(lse_ptr + b * s_lb + split * s_ls + rows, lse, mask=mask_r)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    op_ptr, lse_ptr, out_ptr,
+    s_opb, s_ops, s_opr, s_lb, s_ls, s_ob, s_ot, s_oh,
+    H, num_splits,
+    R: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    t = r // H
+    h = r % H
+    splits = tl.arange(0, SP)
+    lse = tl.load(lse_ptr + b * s_lb + splits * s_ls + r, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    dr = tl.arange(0, RP)
+    mask_dr = dr < R
+    acc = tl.zeros((RP,), tl.float32)
+    total = 0.0
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(lse_ptr + b * s_lb + s * s_ls + r) - m)  # 0 for an empty slice
+        part = tl.load(op_ptr + b * s_opb + s * s_ops + r * s_opr + dr, mask=mask_dr, other=0.0)
+        acc += w * part
+        total += w
+    o = acc / total
+    tl.store(out_ptr + b * s_ob + t * s_ot + h * s_oh + dr, round_to(o, out_ptr.dtype.element_ty), mask=mask_dr)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few slices are enough to exercise the merge
+
+
+def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device: torch.device,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, split_len)`` for a key range of ``max_len``; ``split_len`` is a multiple of ``block_n``."""
+    n_blocks = max(1, math.ceil(max_len / block_n))
+    if num_splits is None:
+        target = 2 * _num_sms(device)
+        num_splits = math.ceil(target / max(1, batch * row_blocks))
+    num_splits = max(1, min(num_splits, n_blocks))
+    split_len = math.ceil(n_blocks / num_splits) * block_n
+    return math.ceil(n_blocks * block_n / split_len), split_len
+
+
+def mla_decode_attention(
+    q_latent: Tensor,
+    q_extra: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float = DEFAULT_SCALE,
+    max_seq_len: int | None = None,
+    validate: bool = True,
+    out: Tensor | None = None,
+    config: MLAConfig | None = None,
+) -> Tensor:
+    """Attention core: ``o_latent [B, Tq, H, R]`` for queries ``q_latent [B, Tq, H, R]``,
+    ``q_extra [B, Tq, H, e]`` over the paged cache (see the module docstring).
+
+    The output has q's dtype, or fp32 when an fp32 ``out`` is given (then nothing is rounded before the caller's
+    value absorption).
+
+    ``max_seq_len`` bounds ``seq_lens`` (default: the page table's capacity) and sizes the split plan; it must
+    not be exceeded (checked when ``validate``).
+    """
+    check_paged_inputs(q_latent, q_extra, kv_cache, block_table, seq_lens, validate=validate)
+    config = config or MLAConfig()
+    B, Tq, H, R = q_latent.shape
+    E = q_extra.shape[3]
+    page_size = kv_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    if max_seq_len is None:
+        max_seq_len = capacity
+    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= capacity:
+        raise ValueError(f"max_seq_len must be an int in [1, {capacity}], got {max_seq_len!r}")
+    elif validate and B > 0 and int(seq_lens.max()) > max_seq_len:
+        raise ValueError(f"seq_lens exceed max_seq_len={max_seq_len}")
+    if out is None:
+        out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+    elif out.shape != q_latent.shape or out.dtype not in (q_latent.dtype, torch.float32) or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q_latent.shape)} of {q_latent.dtype} or float32 with unit inner stride")
+    if B == 0 or Tq == 0 or H == 0:
+        return out
+    q_latent, q_extra, kv_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_extra, kv_cache))
+
+    rows = Tq * H
+    block_m, num_warps = config.resolve(rows)
+    row_blocks = triton.cdiv(rows, block_m)
+    num_splits, split_len = plan_splits(B, row_blocks, max_seq_len, config.block_n, q_latent.device,
+                                        config.num_splits)
+    partial = torch.empty(B, num_splits, rows, R, dtype=torch.float32, device=q_latent.device)
+    lse = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q_latent.device)
+    upcast = dot_upcast(_mla_split_kernel)
+    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
+    _mla_split_kernel[(row_blocks, num_splits, B)](
+        q_latent, q_extra, kv_cache, block_table, seq_lens, partial, lse,
+        q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
+        q_extra.stride(0), q_extra.stride(1), q_extra.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        H, Tq, split_len, float(scale) * _LOG2E,
+        R=R, RP=triton.next_power_of_2(R), E=E, EP=max(16, triton.next_power_of_2(E)), PAGE=page_size,
+        BM=block_m, BN=config.block_n, UPCAST=upcast, PRECISION=precision,
+        TILE_IN_PAGE=page_size % config.block_n == 0,
+        num_warps=num_warps, num_stages=config.num_stages,
+    )
+    _mla_merge_kernel[(rows, B)](
+        partial, lse, out,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        H, num_splits,
+        R=R, RP=triton.next_power_of_2(R), SP=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+    return out
+
+
+def mla_decode(
+    q_nope: Tensor,
+    q_extra: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    w_kvb: Tensor,
+    gate_logits: Tensor,
+    *,
+    scale: float | None = None,
+    max_seq_len: int | None = None,
+    validate: bool = True,
+    config: MLAConfig | None = None,
+) -> Tensor:
+    """The whole absorbed decode path before W_o, attention core in Triton: ``[B, Tq, H * v]``.
+
+    Arguments as :func:`k3.kernels.mla.reference.mla_decode_reference`; ``scale`` defaults to ``(n + e)^-1/2``.
+    The absorptions run in fp32 around the kernel (one rounding of ``q_latent`` to the cache dtype, an fp32
+    attention output), so a bf16 path rounds once on the way in and once on the way out.
+    """
+    n, e = q_nope.shape[-1], q_extra.shape[-1]
+    scale = (n + e) ** -0.5 if scale is None else scale
+    v_dim = w_kvb.shape[0] // q_nope.shape[-2] - n
+    w32 = w_kvb.float()
+    q_latent = absorb_query(q_nope.float(), w32, v_dim).to(kv_cache.dtype)
+    o_latent = torch.empty(q_latent.shape, dtype=torch.float32, device=q_latent.device)
+    mla_decode_attention(q_latent, q_extra.to(kv_cache.dtype), kv_cache, block_table, seq_lens, scale=scale,
+                         max_seq_len=max_seq_len, validate=validate, out=o_latent, config=config)
+    return absorb_output(o_latent, w32, n, gate_logits.float()).to(gate_logits.dtype)
