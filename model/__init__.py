@@ -17,6 +17,7 @@ from k3.model.generate import Generation, generate, sample_next  # noqa: F401
 from k3.model.kda import KDAState, KimiDeltaAttention, ShortConv  # noqa: F401
 from k3.model.mla import GatedMLA, MLACache  # noqa: F401
 from k3.model.moe import LatentMoE  # noqa: F401
+from k3.model.moonep import moonep_plan  # noqa: F401
 from k3.model.muon import PerHeadMuon, newton_schulz  # noqa: F401
 from k3.model.norm import RMSNorm, rms_norm  # noqa: F401
 from k3.model.params import count_params  # noqa: F401
