@@ -34,16 +34,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., checkpoints_stored: _Optional[int] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
-    __slots__ = ("request_id", "state", "last_logits", "total_bytes")
+    __slots__ = ("request_id", "state", "last_logits", "total_bytes", "token_ids", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: bytes
     last_logits: bytes
     total_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[bytes] = ..., last_logits: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[bytes] = ..., last_logits: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class HandoffAck(_message.Message):
     __slots__ = ("request_id", "slot")

@@ -1,0 +1,91 @@
+"""Engine counters, kept as plain numbers (for ``Load`` RPCs and tests) and exported with an OpenTelemetry meter.
+
+Counters (monotonic): ``k3.engine.tokens`` (attribute ``phase``: prompt or decode; tokens run through the
+model), ``k3.engine.requests.finished`` (attribute ``finish_reason``), ``k3.engine.requests.aborted``,
+``k3.engine.states.expired`` (handed-off states never claimed). Gauges, read when the meter collects:
+``k3.engine.running``, ``k3.engine.queued``, ``k3.engine.parked``, ``k3.engine.free_slots``,
+``k3.engine.free_pages``.
+
+The gauges call back into the engine (``snapshot``), so what the exporter sees and what ``Engine.stats``
+returns are the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+
+@dataclass
+class EngineStats:
+    running: int
+    """Sequences prefilling or decoding."""
+    queued: int
+    """Requests waiting for a slot or pages."""
+    parked: int
+    """Handed-off states waiting for their stream."""
+    free_slots: int
+    free_pages: int
+    tokens_processed: int
+    """Prompt and decode tokens run through the model since start."""
+    finished: int
+    aborted: int
+    expired: int
+    steps: int
+    """Scheduler steps run."""
+
+
+class EngineMetrics:
+    """Thread-safe counters mirrored to OpenTelemetry instruments."""
+
+    def __init__(self, meter: metrics.Meter | None, gauges: Callable[[], dict[str, int]]):
+        meter = meter or metrics.NoOpMeterProvider().get_meter("k3")
+        self._lock = threading.Lock()
+        self.tokens_processed = 0
+        self.finished = 0
+        self.aborted = 0
+        self.expired = 0
+        self._tokens = meter.create_counter("k3.engine.tokens", unit="{token}",
+                                            description="Tokens run through the model")
+        self._finished = meter.create_counter("k3.engine.requests.finished", unit="{request}",
+                                              description="Requests that finished generating")
+        self._aborted = meter.create_counter("k3.engine.requests.aborted", unit="{request}",
+                                             description="Requests stopped by abort, deadline or disconnect")
+        self._expired = meter.create_counter("k3.engine.states.expired", unit="{state}",
+                                             description="Handed-off states freed because no stream claimed them")
+        self._gauges = gauges
+        for name, doc in (("running", "Sequences prefilling or decoding"),
+                          ("queued", "Requests waiting for a slot or pages"),
+                          ("parked", "Handed-off states waiting for their stream"),
+                          ("free_slots", "Free KDA state slots"),
+                          ("free_pages", "Free MLA latent pages")):
+            meter.create_observable_gauge(f"k3.engine.{name}", callbacks=[self._observer(name)], description=doc)
+
+    def _observer(self, name: str):
+        def observe(options: CallbackOptions):
+            return [Observation(self._gauges()[name])]
+        return observe
+
+    def add_tokens(self, count: int, phase: str) -> None:
+        with self._lock:
+            self.tokens_processed += count
+        self._tokens.add(count, {"phase": phase})
+
+    def add_finished(self, finish_reason: str) -> None:
+        with self._lock:
+            self.finished += 1
+        self._finished.add(1, {"finish_reason": finish_reason})
+
+    def add_aborted(self) -> None:
+        with self._lock:
+            self.aborted += 1
+        self._aborted.add(1)
+
+    def add_expired(self) -> None:
+        with self._lock:
+            self.expired += 1
+        self._expired.add(1)
