@@ -1,0 +1,1175 @@
+"""Chunked Kimi Delta Attention in Triton: forward and backward kernels behind a ``torch.autograd.Function``.
+
+Entry point: :func:`chunk_kda` (raw gate and beta in, gate / L2 norm / sigmoid applied inside the kernels).
+The maths is the one written out in :mod:`k3.kernels.kda.reference`: per chunk of ``BT`` tokens,
+``G = cumsum(g)``, the strictly lower ``A_kk``, the inclusive ``A_qk``, ``T = (I + A_kk)^-1``,
+``w = T (beta k exp(G))``, ``u = T (beta v)``, ``v_new = u - w S``, ``O = scale (q exp(G)) S + A_qk v_new``
+and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
+
+Design decisions
+----------------
+* Stages and launches. Forward: (1) one chunk-parallel kernel computes the gate, its cumulative sum, the
+  row norms, ``A_qk``, ``A_kk``, the inverse ``T`` and ``w``, ``u``; (2) one program per
+  (sequence, head, V tile) carries the fp32 state in registers across the chunks of its sequence and writes
+  the state before every chunk plus ``v_new``; (3) a chunk-parallel output kernel. Backward recomputes the
+  states (stage 2 again) instead of keeping them, then: ``dA_qk`` and the intra-chunk part of ``dv_new``;
+  the reverse state recurrence (``dS`` per chunk, full ``dv_new``, ``d initial_state``); the inter-chunk and
+  WY-transform gradients (``dq``, ``dk``, ``dG``, ``dv``, ``dbeta``, ``dA_kk``); the intra-chunk
+  gradients through ``A_qk`` / ``A_kk`` fused with the reverse cumulative sum of ``dG`` and the gate's
+  backward; and a last row-wise kernel for the L2-norm and sigmoid backward. No Python loop runs over
+  chunks: chunk and sequence index tables are built on the host once per call (vectorised).
+* Varlen. Every sequence (``cu_seqlens``) or batch row is cut into its own chunks, so no chunk straddles
+  two sequences; a dense batch is treated as ``B`` sequences of a packed ``[1, B*T]`` row.
+* The lower bound and tensor cores. Within a 16-token sub-chunk ``|G_i - G_j| <= 15 |lower_bound|``, so
+  with a reference row ``r`` inside the sub-chunk ``exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j)``
+  splits into two factors that stay inside fp32 range. For the rows of sub-chunk ``b`` the reference is
+  its first row: every column ``j`` before it gets a factor ``<= 1`` and the columns inside it a factor
+  ``<= exp(15 |lower_bound|)``. That turns each 16-row strip of ``A_qk`` / ``A_kk`` (and of their
+  gradients) into one ``tl.dot``. ``lower_bound`` is therefore limited to ``15 |lower_bound| <= 80``.
+* Inverse. Diagonal 16x16 blocks of ``(I + A_kk)^-1`` by forward substitution in registers; the
+  off-diagonal blocks row strip by row strip, ``T_b = D_b (E_b - A_b,<b T_<b)``, with two block products.
+* Precision. Accumulation is fp32 everywhere and every intermediate that crosses kernels is stored in fp32.
+  With 16-bit inputs the products are split-bf16 by default: each fp32 operand is written as ``hi + lo``
+  (both bf16) and ``a b ~ hi.hi + hi.lo + lo.hi`` costs three bf16 tensor-core products for about 16
+  significant bits. Single bf16 products (``ChunkKDAConfig.precision="bf16"``, 8 bits) are not enough
+  for the gate gradients: ``dG`` sums pairwise terms whose contributions cancel exactly (each ``A[i, j]``
+  adds to ``dG_i`` what it takes from ``dG_j``), and ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens,
+  so 8-bit products leave several percent of error there. By count the chunked algorithm is memory-bound
+  (some tens of FLOPs per byte moved, against an H200 ridge near 200 bf16 FLOPs per byte), so the extra
+  products should cost little outside the two sequential state kernels.
+  With an fp32 input every product is exact fp32 (``input_precision="ieee"``).
+* The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
+  of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
+  bf16 outputs themselves (round to nearest even, kept in fp32 containers) and evaluate split products as
+  exact fp32 products (they differ by ``lo.lo``, about 2^-16 relative): the numbers the GPU path gives.
+  The mode is read from how Triton built the kernels, not guessed.
+* ``ChunkKDAConfig.poison`` fills every buffer the kernels write with NaN before the launch, so an element
+  a kernel forgot to write shows up as NaN (used by the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3.kernels.kda.reference import sequence_bounds
+
+__all__ = ["ChunkKDAConfig", "ChunkKDAFunction", "chunk_kda"]
+
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# Same clamp as the reference gate (see k3.kernels.kda.reference): keeps lower_bound * sigmoid(.) < 0.
+_LOGIT_MIN = tl.constexpr(-80.0)
+# F.normalize's eps: q / max(||q||, eps), as the model layer normalises.
+_L2_EPS = tl.constexpr(1e-6)
+_SUB = 16  # sub-chunk length of the intra-chunk blocks (the tensor-core tile height)
+_MAX_EXPONENT = 80.0  # largest exp() argument the factorised sub-chunk products may see
+_MAX_HEAD_DIM = 256  # the state kernels keep a whole [K, block_v] state tile in registers
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CHUNK_SIZES = (16, 32, 64)
+_PRECISIONS = ("auto", "bf16", "ieee")
+
+
+@dataclass(frozen=True)
+class ChunkKDAConfig:
+    """Launch parameters of the chunked KDA kernels (defaults chosen for K = V = 128 on an H200, not yet tuned).
+
+    Fields:
+        block_k: K tile of the chunk-parallel kernels (power of two >= 16).
+        block_v: V tile of the chunk-parallel kernels (power of two >= 16).
+        state_block_v: V tile of the two sequential state kernels; one program per (sequence, head,
+            V tile) keeps a ``[K, state_block_v]`` fp32 state in registers (power of two >= 16).
+        num_warps: warps per program of the chunk-parallel kernels.
+        state_num_warps: warps per program of the sequential state kernels.
+        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32,
+            split-bf16 products (three bf16 tensor-core products, about 16 significant bits) when all
+            are 16-bit; ``"bf16"``: single bf16-operand products (fastest, about 8 significant bits; the
+            gate gradients then carry errors of a few percent); ``"ieee"``: exact fp32 products always.
+        poison: fill every kernel-written buffer with NaN before launching (debugging aid).
+    """
+
+    block_k: int = 64
+    block_v: int = 64
+    state_block_v: int = 32
+    num_warps: int = 4
+    state_num_warps: int = 4
+    precision: str = "auto"
+    poison: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_k", "block_v", "state_block_v"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "state_num_warps"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"ChunkKDAConfig.precision must be one of {_PRECISIONS}, got {self.precision!r}")
+
+
+# =========================================================================================== jit helpers
+
+
+def _probe() -> None:
+    pass
+
+
+# Kernels built by the Triton interpreter (TRITON_INTERPRET=1 at import) run as Python on the CPU.
+_INTERPRETED = type(triton.jit(_probe)).__name__ == "InterpretedFunction"
+
+
+def _helper(fn):
+    """``triton.jit`` for a function called from kernels. Under the interpreter the helper stays a plain
+    function: kernels already run with ``triton.language`` patched, and a nested interpreted call would
+    patch it again on every call (most of the interpreter's time)."""
+    return fn if _INTERPRETED else triton.jit(fn)
+
+
+if _INTERPRETED:
+    # tl.sum / tl.cumsum are themselves jit functions; the interpreter's fast numpy path is reached
+    # through tl.reduce / tl.associative_scan with the standard sum combiner.
+    def _sum(x, axis):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
+
+    def _revcumsum(x, axis):
+        return tl.associative_scan(x, axis, tl.standard._sum_combine, reverse=True)
+
+    def _cumsum(x, axis):
+        return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+else:
+
+    @triton.jit
+    def _sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis)
+
+    @triton.jit
+    def _revcumsum(x, axis: tl.constexpr):
+        return tl.cumsum(x, axis, reverse=True)
+
+    @triton.jit
+    def _cumsum(x, axis: tl.constexpr):
+        return tl.cumsum(x, axis)
+
+
+@_helper
+def _round_bf16(x):
+    """fp32 -> nearest bf16 value (ties to even), kept in fp32."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@_helper
+def _bf(x, EMU: tl.constexpr):
+    """x rounded to bf16 as a dot operand (an fp32 container holding the bf16 value under the interpreter)."""
+    if EMU:
+        return _round_bf16(x.to(tl.float32))
+    else:
+        return x.to(tl.bfloat16)
+
+
+@_helper
+def _dot(a, b, P: tl.constexpr, EMU: tl.constexpr):
+    """a @ b with an fp32 result. P = 0: bf16 operands (one tensor-core product); P = 1: split bf16
+    (x = hi + lo with hi, lo in bf16; hi.hi + hi.lo + lo.hi, three products, about 16 significant bits);
+    P = 2: exact fp32 (``input_precision="ieee"``). Under the interpreter P = 1 is evaluated as the exact
+    product, from which the split product differs only by lo.lo (about 2^-16 relative)."""
+    if P == 2 or (P == 1 and EMU):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif P == 1:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        ah = a.to(tl.bfloat16)
+        bh = b.to(tl.bfloat16)
+        acc = tl.dot((a - ah.to(tl.float32)).to(tl.bfloat16), bh)
+        acc = tl.dot(ah, (b - bh.to(tl.float32)).to(tl.bfloat16), acc)
+        return tl.dot(ah, bh, acc)
+    else:
+        if EMU:
+            return tl.dot(_bf(a, EMU), _bf(b, EMU), input_precision="ieee")
+        else:
+            return tl.dot(_bf(a, EMU), _bf(b, EMU))
+
+
+@_helper
+def _out(x, ptr, EMU: tl.constexpr):
+    """Value ready for ``tl.store`` to ``ptr``: rounds to nearest bf16 first where the interpreter would truncate."""
+    if EMU:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = _round_bf16(x)
+    return x
+
+
+@_helper
+def _gate_rate(A_log, i_h):
+    """(exp(A_log[h]) clamped to fp32 max, 1.0 if unclamped else 0.0 -- the derivative mask of the clamp)."""
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    ok = (a <= _FP32_MAX).to(tl.float32)
+    return tl.minimum(a, _FP32_MAX), ok
+
+
+@_helper
+def _gate_sigmoid(graw, dt, rate):
+    """(logit before the clamp, sigmoid of the clamped logit) of the KDA gate."""
+    z = rate * (graw + dt[None, :])
+    s = 1.0 / (1.0 + tl.exp(-tl.maximum(z, _LOGIT_MIN)))
+    return z, s
+
+
+@_helper
+def _load_beta(beta_raw, row, mask, BETA_SIGMOID: tl.constexpr):
+    b = tl.load(beta_raw + row, mask=mask, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b = 1.0 / (1.0 + tl.exp(-b))
+    return tl.where(mask, b, 0.0)
+
+
+@_helper
+def _unit_lower_inverse16(A):
+    """(I + A)^-1 for a stack ``[NB, 16, 16]`` of strictly lower-triangular fp32 blocks, by forward substitution.
+
+    Row t of X solves X[t] = e_t - sum_{m<t} A[t, m] X[m]; rows are filled in order, all blocks at once.
+    """
+    o = tl.arange(0, 16)
+    rows = o[None, :, None]
+    X = (rows == o[None, None, :]).to(tl.float32) + tl.full(A.shape, 0.0, tl.float32)
+    for t in tl.static_range(1, 16):
+        a_t = _sum(tl.where(rows == t, A, 0.0), axis=1)  # row t of every block, indexed by m
+        acc = _sum(a_t[:, :, None] * X, axis=1)  # sum_m A[t, m] X[m, :]
+        X = tl.where(rows == t, X - acc[:, None, :], X)
+    return X
+
+
+# ================================================================================================ forward
+
+
+@triton.jit
+def _fwd_intra_kernel(
+    q, k, v, g_raw, beta_raw, A_log, dt_bias,
+    G, rq, rk, Aqk, Akk, w, u,
+    chunk_start, chunk_len,
+    scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): gate + cumsum, row norms, A_qk, A_kk, T = (I + A_kk)^-1 (into Akk), w, u."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    cc = tl.arange(0, BT)
+    o16 = tl.arange(0, 16)
+    valid = r < nv
+    tok = t0 + r
+    row = tok * H + i_h  # token-major row index of (token, head)
+    rate, _ = _gate_rate(A_log, i_h)
+
+    # ---- (1) gate, cumulative log decay, row norms
+    sq = tl.full([BT], 0.0, tl.float32)
+    sk = tl.full([BT], 0.0, tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
+        off = row[:, None] * K + c[None, :]
+        graw = tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32)
+        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        _, sig = _gate_sigmoid(graw, dt, rate)
+        g = tl.where(m2, lower_bound * sig, 0.0)
+        tl.store(G + off, _cumsum(g, 0), mask=m2)
+        if L2NORM:
+            bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
+            bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
+            sq += _sum(bq * bq, 1)
+            sk += _sum(bk * bk, 1)
+    if L2NORM:
+        iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
+        ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
+    else:
+        iq = tl.full([BT], 1.0, dtype=tl.float32)
+        ik = tl.full([BT], 1.0, dtype=tl.float32)
+    tl.store(rq + row, iq, mask=valid)
+    tl.store(rk + row, ik, mask=valid)
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    tl.debug_barrier()
+
+    # ---- (2) A_qk and A_kk, one 16-row strip at a time (reference row = first row of the strip)
+    for b in tl.static_range(BT // 16):
+        rb = b * 16 + o16
+        vb = rb < nv
+        tokb = t0 + rb
+        rowb = tokb * H + i_h
+        ikb = tl.load(rk + rowb, mask=vb, other=0.0)
+        iqb = tl.load(rq + rowb, mask=vb, other=0.0)
+        acc_q = tl.full([16, BT], 0.0, tl.float32)
+        acc_k = tl.full([16, BT], 0.0, tl.float32)
+        for kk in tl.static_range(0, K, BK):
+            c = kk + tl.arange(0, BK)
+            cm = c < K
+            m2 = valid[:, None] & cm[None, :]
+            m2b = vb[:, None] & cm[None, :]
+            off = row[:, None] * K + c[None, :]
+            offb = rowb[:, None] * K + c[None, :]
+            Gr = tl.load(G + ((t0 + tl.minimum(b * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+            kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+            Gf = tl.load(G + off, mask=m2, other=0.0)
+            colm = m2 & (r < b * 16 + 16)[:, None]
+            kc_ = kf * tl.exp(tl.where(colm, Gr[None, :] - Gf, float("-inf")))
+            Gb = tl.load(G + offb, mask=m2b, other=0.0)
+            er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
+            qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
+            kb = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * (ikb[:, None] * er)
+            kcT = tl.trans(kc_)
+            acc_q += _dot(qb, kcT, P, EMU)
+            acc_k += _dot(kb, kcT, P, EMU)
+        betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
+        offA = rowb[:, None] * BT + cc[None, :]
+        a_q = tl.where(vb[:, None] & (cc[None, :] <= rb[:, None]), acc_q * scale, 0.0)
+        a_k = tl.where(vb[:, None] & (cc[None, :] < rb[:, None]), acc_k * betab[:, None], 0.0)
+        tl.store(Aqk + offA, a_q, mask=vb[:, None])
+        tl.store(Akk + offA, a_k, mask=vb[:, None])
+    tl.debug_barrier()
+
+    # ---- (3) T = (I + A_kk)^-1 in place. Diagonal blocks D_b first (all at once), then the row strips
+    # T_b = D_b (E_b - A_b,<b T_<b) in order; E_b selects strip b's own columns.
+    ob = tl.arange(0, BT // 16)
+    rows3 = ob[:, None, None] * 16 + o16[None, :, None]
+    off3 = ((t0 + rows3) * H + i_h) * BT + ob[:, None, None] * 16 + o16[None, None, :]
+    D = _unit_lower_inverse16(tl.load(Akk + off3, mask=rows3 < nv, other=0.0))
+    tl.debug_barrier()  # the diagonal blocks of A are read; they are not needed any more
+    tl.store(Akk + off3, D, mask=rows3 < nv)
+    tl.debug_barrier()
+    offF = row[:, None] * BT + cc[None, :]
+    for b in tl.static_range(BT // 16):
+        rb = b * 16 + o16
+        vb = rb < nv
+        tokb = t0 + rb
+        rowb = tokb * H + i_h
+        offA = rowb[:, None] * BT + cc[None, :]
+        Db = tl.load(Akk + rowb[:, None] * BT + b * 16 + o16[None, :], mask=vb[:, None], other=0.0)
+        rhs = (cc[None, :] == rb[:, None]).to(tl.float32)
+        if b > 0:
+            Ao = tl.load(Akk + offA, mask=vb[:, None] & (cc[None, :] < b * 16), other=0.0)
+            Tp = tl.load(Akk + offF, mask=(valid & (r < b * 16))[:, None], other=0.0)
+            rhs = rhs - _dot(Ao, Tp, P, EMU)
+        strip = _dot(Db, rhs, P, EMU)
+        tl.debug_barrier()  # every thread has read strip b before it is overwritten
+        tl.store(Akk + offA, strip, mask=vb[:, None])
+        tl.debug_barrier()
+
+    # ---- (4) w = T (beta k exp(G)), u = T (beta v)
+    Tm = tl.load(Akk + offF, mask=valid[:, None], other=0.0)
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        m2 = valid[:, None] & (c < K)[None, :]
+        off = row[:, None] * K + c[None, :]
+        kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+        Gf = tl.load(G + off, mask=m2, other=0.0)
+        x = tl.where(m2, beta_f[:, None] * kf * tl.exp(Gf), 0.0)
+        tl.store(w + off, _out(_dot(Tm, x, P, EMU), w, EMU), mask=m2)
+    for vv in tl.static_range(0, V, BV):
+        c = vv + tl.arange(0, BV)
+        m2 = valid[:, None] & (c < V)[None, :]
+        off = row[:, None] * V + c[None, :]
+        x = tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * beta_f[:, None]
+        tl.store(u + off, _out(_dot(Tm, x, P, EMU), u, EMU), mask=m2)
+
+
+@triton.jit
+def _fwd_state_kernel(
+    k, G, rk, w, u, h0, h_out, v_new, ht,
+    seq_start, seq_len, seq_chunk0,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
+    P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (sequence x head, V tile): S -> exp(G_last) S + (k exp(G_last - G))^T (u - w S), chunk by chunk."""
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    n = i_nh // H
+    i_h = i_nh % H
+    s0 = tl.load(seq_start + n).to(tl.int64)
+    L = tl.load(seq_len + n)
+    c0 = tl.load(seq_chunk0 + n).to(tl.int64)
+    r = tl.arange(0, BT)
+    kc = tl.arange(0, KP)
+    km = kc < K
+    vc = i_v * BV + tl.arange(0, BV)
+    vm = vc < V
+    hm = km[:, None] & vm[None, :]
+    hoff = kc[:, None] * V + vc[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (n * H + i_h) * K * V + hoff, mask=hm, other=0.0).to(tl.float32)
+    else:
+        S = tl.full([KP, BV], 0.0, tl.float32)
+    for ci in range(0, (L + BT - 1) // BT):
+        t0 = s0 + ci * BT
+        nv = tl.minimum(L - ci * BT, BT)
+        valid = r < nv
+        tok = t0 + r
+        row = tok * H + i_h  # token-major row index of (token, head)
+        if SAVE_H:
+            tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, S, mask=hm)
+        m2k = valid[:, None] & km[None, :]
+        m2v = valid[:, None] & vm[None, :]
+        offk = row[:, None] * K + kc[None, :]
+        offv = row[:, None] * V + vc[None, :]
+        wt = tl.load(w + offk, mask=m2k, other=0.0)
+        vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
+        tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
+        ikt = tl.load(rk + row, mask=valid, other=0.0)
+        kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ikt[:, None]
+        Gt = tl.load(G + offk, mask=m2k, other=0.0)
+        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + kc, mask=km, other=0.0)
+        kd = kt * tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
+        S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kd), vn, P, EMU)
+    if STORE_FINAL:
+        tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
+
+
+@triton.jit
+def _fwd_out_kernel(
+    q, G, rq, h, Aqk, v_new, o,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, V tile): O = scale (q exp(G)) S + A_qk v_new."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    cc = tl.arange(0, BT)
+    valid = r < nv
+    tok = t0 + r
+    row = tok * H + i_h  # token-major row index of (token, head)
+    vc = i_v * BV + tl.arange(0, BV)
+    vm = vc < V
+    iq = tl.load(rq + row, mask=valid, other=0.0)
+    acc = tl.full([BT, BV], 0.0, tl.float32)
+    hbase = (i_c.to(tl.int64) * H + i_h) * K * V
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
+        off = row[:, None] * K + c[None, :]
+        qg = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * iq[:, None]
+        qg = qg * tl.exp(tl.load(G + off, mask=m2, other=0.0))
+        hs = tl.load(h + hbase + c[:, None] * V + vc[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
+        acc += _dot(qg, hs, P, EMU)
+    acc = acc * scale
+    Aq = tl.load(Aqk + row[:, None] * BT + cc[None, :], mask=valid[:, None], other=0.0)
+    m2v = valid[:, None] & vm[None, :]
+    offv = row[:, None] * V + vc[None, :]
+    vn = tl.load(v_new + offv, mask=m2v, other=0.0)
+    acc += _dot(Aq, vn, P, EMU)
+    tl.store(o + offv, _out(acc, o, EMU), mask=m2v)
+
+
+# =============================================================================================== backward
+
+
+@triton.jit
+def _bwd_dav_kernel(
+    Aqk, v_new, do, dAq, dvl,
+    chunk_start, chunk_len,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): dA_qk = dO v_new^T (masked j <= i), intra-chunk dv_new = A_qk^T dO."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    cc = tl.arange(0, BT)
+    valid = r < nv
+    tok = t0 + r
+    row = tok * H + i_h  # token-major row index of (token, head)
+    offA = row[:, None] * BT + cc[None, :]
+    AqT = tl.trans(tl.load(Aqk + offA, mask=valid[:, None], other=0.0))
+    dA = tl.full([BT, BT], 0.0, tl.float32)
+    for vv in tl.static_range(0, V, BV):
+        c = vv + tl.arange(0, BV)
+        m2 = valid[:, None] & (c < V)[None, :]
+        off = row[:, None] * V + c[None, :]
+        dot_ = tl.load(do + off, mask=m2, other=0.0).to(tl.float32)
+        vn = tl.load(v_new + off, mask=m2, other=0.0)
+        dA += _dot(dot_, tl.trans(vn), P, EMU)
+        tl.store(dvl + off, _dot(AqT, dot_, P, EMU), mask=m2)
+    dA = tl.where(valid[:, None] & (cc[None, :] <= r[:, None]), dA, 0.0)
+    tl.store(dAq + offA, dA, mask=valid[:, None])
+
+
+@triton.jit
+def _bwd_state_kernel(
+    q, k, G, rq, rk, w, do, dvl, dht, dh_out, dvn, dh0,
+    seq_start, seq_len, seq_chunk0, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
+
+    dv_new = dv_intra + (k exp(G_last - G)) dS;  dS <- exp(G_last) dS + scale (q exp(G))^T dO - w^T dv_new.
+    """
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    n = i_nh // H
+    i_h = i_nh % H
+    s0 = tl.load(seq_start + n).to(tl.int64)
+    L = tl.load(seq_len + n)
+    c0 = tl.load(seq_chunk0 + n).to(tl.int64)
+    r = tl.arange(0, BT)
+    kc = tl.arange(0, KP)
+    km = kc < K
+    vc = i_v * BV + tl.arange(0, BV)
+    vm = vc < V
+    hm = km[:, None] & vm[None, :]
+    hoff = kc[:, None] * V + vc[None, :]
+    if HAS_DHT:
+        dS = tl.load(dht + (n * H + i_h) * K * V + hoff, mask=hm, other=0.0).to(tl.float32)
+    else:
+        dS = tl.full([KP, BV], 0.0, tl.float32)
+    nch = (L + BT - 1) // BT
+    for cj in range(0, nch):
+        ci = nch - 1 - cj
+        t0 = s0 + ci * BT
+        nv = tl.minimum(L - ci * BT, BT)
+        valid = r < nv
+        tok = t0 + r
+        row = tok * H + i_h  # token-major row index of (token, head)
+        tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
+        m2k = valid[:, None] & km[None, :]
+        m2v = valid[:, None] & vm[None, :]
+        offk = row[:, None] * K + kc[None, :]
+        offv = row[:, None] * V + vc[None, :]
+        Gt = tl.load(G + offk, mask=m2k, other=0.0)
+        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + kc, mask=km, other=0.0)
+        ikt = tl.load(rk + row, mask=valid, other=0.0)
+        kd = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ikt[:, None]
+        kd = kd * tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
+        dv_ = tl.load(dvl + offv, mask=m2v, other=0.0) + _dot(kd, dS, P, EMU)
+        tl.store(dvn + offv, dv_, mask=m2v)
+        iqt = tl.load(rq + row, mask=valid, other=0.0)
+        qg = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * (iqt[:, None] * scale)
+        qg = qg * tl.exp(tl.where(m2k, Gt, float("-inf")))
+        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
+        wt = tl.load(w + offk, mask=m2k, other=0.0)
+        dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qg), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
+    if STORE_DH0:
+        tl.store(dh0 + (n * H + i_h) * K * V + hoff, dS, mask=hm)
+
+
+@triton.jit
+def _bwd_wy_kernel(
+    q, k, v, beta_raw, G, rq, rk, Tkk, w, u, v_new, dvn, h, dh, do,
+    dv, dqh, dkh, dGh, dAk, dbeta_wy,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): gradients through the inter-chunk terms and the WY transform.
+
+    Writes dv (final), the inter-chunk parts of dq, dk, dG, dA_kk = -T^T (du u^T + dw w^T) and this
+    stage's share of dbeta.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    cc = tl.arange(0, BT)
+    valid = r < nv
+    tok = t0 + r
+    row = tok * H + i_h  # token-major row index of (token, head)
+    offT = row[:, None] * BT + cc[None, :]
+    TmT = tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0))
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    iq = tl.load(rq + row, mask=valid, other=0.0)
+    ik = tl.load(rk + row, mask=valid, other=0.0)
+    acc = tl.full([BT, BT], 0.0, tl.float32)  # du u^T + dw w^T
+    dbeta = tl.full([BT], 0.0, tl.float32)
+
+    # u = T (beta v): dv = beta T^T du, dbeta += v . T^T du
+    for vv in tl.static_range(0, V, BV):
+        c = vv + tl.arange(0, BV)
+        m2 = valid[:, None] & (c < V)[None, :]
+        off = row[:, None] * V + c[None, :]
+        du = tl.load(dvn + off, mask=m2, other=0.0)
+        x = _dot(TmT, du, P, EMU)
+        tl.store(dv + off, _out(beta_f[:, None] * x, dv, EMU), mask=m2)
+        dbeta += _sum(tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * x, 1)
+        acc += _dot(du, tl.trans(tl.load(u + off, mask=m2, other=0.0)), P, EMU)
+
+    hbase = (i_c.to(tl.int64) * H + i_h) * K * V
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        m2k = valid[:, None] & cm[None, :]
+        offk = row[:, None] * K + c[None, :]
+        dqi = tl.full([BT, BK], 0.0, tl.float32)  # dO S^T
+        dw = tl.full([BT, BK], 0.0, tl.float32)  # -dv_new S^T
+        dkt = tl.full([BT, BK], 0.0, tl.float32)  # v_new dS'^T
+        dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
+        for vv in tl.static_range(0, V, BV):
+            cv = vv + tl.arange(0, BV)
+            vm = cv < V
+            m2v = valid[:, None] & vm[None, :]
+            offv = row[:, None] * V + cv[None, :]
+            hoff = hbase + c[:, None] * V + cv[None, :]
+            hm = cm[:, None] & vm[None, :]
+            hs = tl.load(h + hoff, mask=hm, other=0.0)
+            dhs = tl.load(dh + hoff, mask=hm, other=0.0)
+            dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
+            dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
+            vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
+            hsT = tl.trans(hs)
+            dqi += _dot(dot_, hsT, P, EMU)
+            dw -= _dot(dvt, hsT, P, EMU)
+            dkt += _dot(vnt, tl.trans(dhs), P, EMU)
+            dgl += _sum(hs * dhs, 1)
+        qt = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * iq[:, None]
+        kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ik[:, None]
+        Gt = tl.load(G + offk, mask=m2k, other=0.0)
+        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + c, mask=cm, other=0.0)
+        gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
+        dq_ = scale * gam * dqi
+        dG = qt * dq_
+        # S' = exp(G_last) S + (k exp(G_last - G))^T v_new
+        kdf = tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
+        dk_ = kdf * dkt
+        tt = kt * dk_
+        dG -= tt
+        dglt = _sum(tt, 0) + tl.exp(Gl) * dgl
+        dG += tl.where((r == nv - 1)[:, None], dglt[None, :], 0.0)
+        # w = T (beta k exp(G))
+        x = _dot(TmT, dw, P, EMU)
+        dk_ += beta_f[:, None] * gam * x
+        kgx = kt * gam * x
+        dbeta += _sum(kgx, 1)
+        dG += beta_f[:, None] * kgx
+        acc += _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
+        tl.store(dqh + offk, dq_, mask=m2k)
+        tl.store(dkh + offk, dk_, mask=m2k)
+        tl.store(dGh + offk, dG, mask=m2k)
+    dA = -_dot(TmT, acc, P, EMU)
+    dA = tl.where(valid[:, None] & (cc[None, :] < r[:, None]), dA, 0.0)
+    tl.store(dAk + offT, dA, mask=valid[:, None])
+    tl.store(dbeta_wy + row, dbeta, mask=valid)
+
+
+@triton.jit
+def _bwd_intra_kernel(
+    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
+    dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
+    chunk_start, chunk_len, n_tok, scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, K tile): gradients through A_qk and A_kk, added to the inter-chunk parts.
+
+    Then the reverse cumulative sum of dG inside the chunk (-> dg) and the gate backward (-> dg_raw and
+    per-chunk partial sums for dt_bias and A_log). dq/dk totals overwrite dqh/dkh in place.
+    Row side of A[i, j] (reference = first row of i's sub-chunk), column side (reference = last row of
+    j's sub-chunk): both keep every exp() argument below 15 |lower_bound|.
+    """
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    cc = tl.arange(0, BT)
+    o16 = tl.arange(0, 16)
+    valid = r < nv
+    tok = t0 + r
+    row = tok * H + i_h  # token-major row index of (token, head)
+    c = i_k * BK + tl.arange(0, BK)
+    cm = c < K
+    m2 = valid[:, None] & cm[None, :]
+    off = row[:, None] * K + c[None, :]
+    iq = tl.load(rq + row, mask=valid, other=0.0)
+    ik = tl.load(rk + row, mask=valid, other=0.0)
+    qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * iq[:, None]
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+    Gf = tl.load(G + off, mask=m2, other=0.0)
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    rate, rate_ok = _gate_rate(A_log, i_h)
+    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+    carry = tl.full([BK], 0.0, tl.float32)
+    ddt = tl.full([BK], 0.0, tl.float32)
+    dal = tl.full([BK], 0.0, tl.float32)
+    for bi in tl.static_range(BT // 16):
+        b = BT // 16 - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
+        rb = b * 16 + o16
+        vb = rb < nv
+        tokb = t0 + rb
+        rowb = tokb * H + i_h
+        m2b = vb[:, None] & cm[None, :]
+        offb = rowb[:, None] * K + c[None, :]
+        Gb = tl.load(G + offb, mask=m2b, other=0.0)
+        iqb = tl.load(rq + rowb, mask=vb, other=0.0)
+        ikb = tl.load(rk + rowb, mask=vb, other=0.0)
+        qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * iqb[:, None]
+        kb = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
+        betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
+
+        # row side: rows of sub-chunk b against all columns j <= i
+        Gr = tl.load(G + ((t0 + tl.minimum(b * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+        xc = kf * tl.exp(tl.where(m2 & (r < b * 16 + 16)[:, None], Gr[None, :] - Gf, float("-inf")))
+        eb = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
+        offA = rowb[:, None] * BT + cc[None, :]
+        pq = tl.load(dAq + offA, mask=vb[:, None], other=0.0)
+        pk = tl.load(dAk + offA, mask=vb[:, None], other=0.0)
+        dqb = (scale * eb) * _dot(pq, xc, P, EMU)
+        yb = eb * _dot(pk, xc, P, EMU)
+        dk_row = betab[:, None] * yb
+        dbeta_b = _sum(kb * yb, 1)
+
+        # column side: columns of sub-chunk b against all rows i >= j
+        r1 = tl.minimum(b * 16 + 15, nv - 1)
+        Gr1 = tl.load(G + ((t0 + r1) * H + i_h) * K + c, mask=cm, other=0.0)
+        ez = tl.exp(tl.where(m2 & (r >= b * 16)[:, None], Gf - Gr1[None, :], float("-inf")))
+        ec = tl.exp(tl.where(m2b, Gr1[None, :] - Gb, float("-inf")))
+        offAT = row[None, :] * BT + rb[:, None]  # [16, BT]: (j, i) -> dA[i, j]
+        pqT = tl.load(dAq + offAT, mask=vb[:, None] & valid[None, :], other=0.0)
+        pkT = tl.load(dAk + offAT, mask=vb[:, None] & valid[None, :], other=0.0)
+        dk_col = ec * (scale * _dot(pqT, qf * ez, P, EMU) + _dot(pkT, (beta_f[:, None] * kf) * ez, P, EMU))
+        dGb = qb * dqb + kb * (dk_row - dk_col)
+
+        dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dqb
+        dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_row + dk_col
+        dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + dGb
+        dg = _revcumsum(dG_t, 0) + carry[None, :]
+        carry += _sum(dG_t, 0)
+
+        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+        graw = tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32)
+        z, sig = _gate_sigmoid(graw, dt, rate)
+        dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+        ddt += _sum(dz, 0)
+        dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
+        tl.debug_barrier()  # every thread has read dqh/dkh of this sub-chunk before it is overwritten
+        tl.store(dqh + offb, dq_t, mask=m2b)
+        tl.store(dkh + offb, dk_t, mask=m2b)
+        tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
+        tl.store(dbeta_part + i_k * n_tok * H + rowb, dbeta_b, mask=vb)
+    poff = (i_c.to(tl.int64) * H + i_h) * K + c
+    tl.store(ddt_part + poff, ddt * rate, mask=cm)
+    tl.store(dalog_part + poff, dal * rate_ok, mask=cm)
+
+
+@_helper
+def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
+    """dx from d(x / max(||x||, eps)): rstd (dxh - xh (xh . dxh)) above eps, rstd dxh below."""
+    g = tl.load(dxh + off, mask=m2, other=0.0)
+    if L2NORM:
+        inv = tl.load(rx + row, mask=tm, other=0.0)
+        xh = tl.load(x + off, mask=m2, other=0.0).to(tl.float32) * inv[:, None]
+        proj = tl.where(inv < 1.0 / _L2_EPS, _sum(xh * g, 1), 0.0)
+        g = inv[:, None] * (g - xh * proj[:, None])
+    tl.store(dx + off, _out(g, dx, EMU), mask=m2)
+
+
+@triton.jit
+def _bwd_finish_kernel(
+    q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta,
+    n_tok,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, NKB: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (token block, head): L2-norm backward of dq, dk; dbeta totals and the sigmoid backward."""
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    tok = i_t.to(tl.int64) * BR + tl.arange(0, BR)
+    row = tok * H + i_h  # token-major row index of (token, head)
+    tm = tok < n_tok
+    kc = tl.arange(0, KP)
+    m2 = tm[:, None] & (kc < K)[None, :]
+    off = row[:, None] * K + kc[None, :]
+    _l2norm_bwd(q, rq, dqh, dq, off, m2, row, tm, L2NORM, EMU)
+    _l2norm_bwd(k, rk, dkh, dk, off, m2, row, tm, L2NORM, EMU)
+    db = tl.load(dbeta_wy + row, mask=tm, other=0.0)
+    for j in tl.static_range(NKB):
+        db += tl.load(dbeta_part + j * n_tok * H + row, mask=tm, other=0.0)
+    if BETA_SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + row, mask=tm, other=0.0).to(tl.float32)))
+        db = db * s * (1.0 - s)
+    tl.store(dbeta + row, _out(db, dbeta, EMU), mask=tm)
+
+
+# ============================================================================================ host side
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Chunk and sequence tables of one call (int32 on the device), built once on the host.
+
+    chunk_start / chunk_len: first token and length of every chunk (chunks listed sequence by sequence);
+    seq_start / seq_len / seq_chunk0: first token, length and index of the first chunk of every sequence.
+    """
+
+    chunk_start: Tensor
+    chunk_len: Tensor
+    seq_start: Tensor
+    seq_len: Tensor
+    seq_chunk0: Tensor
+    n_chunks: int
+    n_seqs: int
+    n_tokens: int
+
+
+def _build_layout(bounds: list[tuple[int, int]], chunk_size: int, device: torch.device) -> _Layout:
+    starts = torch.tensor([s for s, _ in bounds], dtype=torch.int64)
+    lens = torch.tensor([e - s for s, e in bounds], dtype=torch.int64)
+    n_chunks_per = (lens + chunk_size - 1) // chunk_size
+    first = torch.cumsum(n_chunks_per, 0) - n_chunks_per
+    n_chunks = int(n_chunks_per.sum())
+    seq_of = torch.repeat_interleave(torch.arange(len(bounds)), n_chunks_per)
+    local = torch.arange(n_chunks) - first[seq_of]
+    c_start = starts[seq_of] + local * chunk_size
+    c_len = torch.minimum(lens[seq_of] - local * chunk_size, torch.full_like(local, chunk_size))
+    table = torch.cat([c_start, c_len, starts, lens, first]).to(torch.int32).to(device)
+    n = len(bounds)
+    c_start, c_len, s_start, s_len, s_first = table.split([n_chunks, n_chunks, n, n, n])
+    n_tokens = bounds[-1][1] if bounds else 0
+    return _Layout(c_start, c_len, s_start, s_len, s_first, n_chunks, n, n_tokens)
+
+
+def _precision_code(precision: str, tensors) -> int:
+    """The ``P`` code of ``_dot`` for ``ChunkKDAConfig.precision`` and the input dtypes."""
+    if precision == "ieee" or (precision == "auto" and any(t.dtype == torch.float32 for t in tensors)):
+        return 2
+    return 1 if precision == "auto" else 0
+
+
+def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
+    if poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """Compile-time switches and scalars shared by the forward and backward of one call."""
+
+    scale: float
+    lower_bound: float
+    l2norm: bool
+    beta_sigmoid: bool
+    chunk_size: int
+    prec: int  # product precision code of _dot: 0 bf16, 1 split bf16, 2 exact fp32
+    emu: bool
+    cfg: ChunkKDAConfig
+
+
+def _run_state_forward(k, G, rk, w, u, h0, layout, meta, *, save_h, v_new_dtype, want_final):
+    """Stage 2 (also the backward's recomputation): states before every chunk, v_new, final state."""
+    _, H, K = k.shape
+    V = u.shape[-1]
+    cfg, dev = meta.cfg, k.device
+    h = _alloc((layout.n_chunks, H, K, V), torch.float32, dev, cfg.poison) if save_h else G
+    v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
+    ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else G
+    grid = (layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))
+    _fwd_state_kernel[grid](
+        k, G, rk, w, u, h0 if h0 is not None else G, h, v_new, ht,
+        layout.seq_start, layout.seq_len, layout.seq_chunk0,
+        H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=cfg.state_block_v,
+        HAS_H0=h0 is not None, SAVE_H=save_h, STORE_FINAL=want_final,
+        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps,
+    )  # fmt: skip
+    return (h if save_h else None), v_new, (ht if want_final else None)
+
+
+def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final):
+    _, H, K = q.shape
+    V = v.shape[-1]
+    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
+    NT, N = layout.n_tokens, layout.n_chunks
+    f32 = torch.float32
+    G = _alloc((NT, H, K), f32, dev, cfg.poison)
+    rq = _alloc((NT, H), f32, dev, cfg.poison)
+    rk = _alloc((NT, H), f32, dev, cfg.poison)
+    Aqk = _alloc((NT, H, BT), f32, dev, cfg.poison)
+    Tkk = _alloc((NT, H, BT), f32, dev, cfg.poison)
+    w = _alloc((NT, H, K), f32, dev, cfg.poison)
+    u = _alloc((NT, H, V), f32, dev, cfg.poison)
+    common = dict(H=H, K=K, V=V, BT=BT, P=meta.prec, EMU=meta.emu)
+    _fwd_intra_kernel[(N, H)](
+        q, k, v, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, Aqk, Tkk, w, u,
+        layout.chunk_start, layout.chunk_len, meta.scale, meta.lower_bound,
+        BK=cfg.block_k, BV=cfg.block_v, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid,
+        num_warps=cfg.num_warps, **common,
+    )  # fmt: skip
+    h, v_new, ht = _run_state_forward(
+        k, G, rk, w, u, h0, layout, meta, save_h=True, v_new_dtype=f32, want_final=want_final
+    )
+    o = _alloc((NT, H, V), v.dtype, dev, cfg.poison)
+    _fwd_out_kernel[(N, H, triton.cdiv(V, cfg.block_v))](
+        q, G, rq, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len, meta.scale,
+        BK=cfg.block_k, BV=cfg.block_v, num_warps=cfg.num_warps, **common,
+    )  # fmt: skip
+    return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u)
+
+
+def _backward(do, dht, saved, layout, meta):
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u = saved
+    _, H, K = q.shape
+    V = v.shape[-1]
+    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
+    NT, N = layout.n_tokens, layout.n_chunks
+    f32, poison = torch.float32, cfg.poison
+    common = dict(H=H, K=K, V=V, BT=BT, P=meta.prec, EMU=meta.emu)
+    KP = max(16, triton.next_power_of_2(K))
+
+    h, v_new, _ = _run_state_forward(k, G, rk, w, u, h0, layout, meta, save_h=True, v_new_dtype=f32, want_final=False)
+
+    dAq = _alloc((NT, H, BT), f32, dev, poison)
+    dvl = _alloc((NT, H, V), f32, dev, poison)
+    _bwd_dav_kernel[(N, H)](
+        Aqk, v_new, do, dAq, dvl, layout.chunk_start, layout.chunk_len,
+        H=H, V=V, BT=BT, BV=cfg.block_v, P=meta.prec, EMU=meta.emu, num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+    dh = _alloc((N, H, K, V), f32, dev, poison)
+    dvn = _alloc((NT, H, V), f32, dev, poison)
+    dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
+    _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))](
+        q, k, G, rq, rk, w, do, dvl, dht if dht is not None else G, dh, dvn, dh0 if dh0 is not None else G,
+        layout.seq_start, layout.seq_len, layout.seq_chunk0, meta.scale,
+        KP=KP, BV=cfg.state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        num_warps=cfg.state_num_warps, **common,
+    )  # fmt: skip
+
+    dv = _alloc((NT, H, V), v.dtype, dev, poison)
+    dqh = _alloc((NT, H, K), f32, dev, poison)
+    dkh = _alloc((NT, H, K), f32, dev, poison)
+    dGh = _alloc((NT, H, K), f32, dev, poison)
+    dAk = _alloc((NT, H, BT), f32, dev, poison)
+    dbeta_wy = _alloc((NT, H), f32, dev, poison)
+    _bwd_wy_kernel[(N, H)](
+        q, k, v, beta_raw, G, rq, rk, Tkk, w, u, v_new, dvn, h, dh, do,
+        dv, dqh, dkh, dGh, dAk, dbeta_wy, layout.chunk_start, layout.chunk_len, meta.scale,
+        BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid, num_warps=cfg.num_warps, **common,
+    )  # fmt: skip
+    del h, dh, dvn, v_new
+
+    nkb = triton.cdiv(K, cfg.block_k)
+    dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
+    dbeta_part = _alloc((nkb, NT, H), f32, dev, poison)
+    ddt_part = _alloc((N, H, K), f32, dev, poison)
+    dalog_part = _alloc((N, H, K), f32, dev, poison)
+    _bwd_intra_kernel[(N, H, nkb)](
+        q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
+        dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
+        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+    dq = _alloc((NT, H, K), q.dtype, dev, poison)
+    dk = _alloc((NT, H, K), k.dtype, dev, poison)
+    dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
+    BR = 64
+    _bwd_finish_kernel[(triton.cdiv(NT, BR), H)](
+        q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta, NT,
+        H=H, K=K, KP=KP, BR=BR, NKB=nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
+    dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)
+    return dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd wrapper of the chunked KDA kernels; inputs are validated and packed by :func:`chunk_kda`.
+
+    ``apply(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta, output_final_state,
+    return_chunk_states)`` with token-major packed tensors ``[NT, H, *]`` (``NT`` = all tokens) returns
+    ``(o [NT, H, V], final_state [N, H, K, V] or None, chunk_states [chunks, H, K, V] or None)``.
+    The chunk states are not differentiable; the final state is.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta,
+                output_final_state, return_chunk_states):  # fmt: skip
+        o, ht, h, inter = _forward(
+            q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta, output_final_state
+        )
+        ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *inter)
+        ctx.layout, ctx.meta = layout, meta
+        chunk_states = h if return_chunk_states else None
+        if chunk_states is not None:
+            ctx.mark_non_differentiable(chunk_states)
+        return o, ht, chunk_states
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht, _dchunks):
+        saved = ctx.saved_tensors
+        grads = _backward(
+            do.contiguous(), None if dht is None else dht.contiguous(), saved, ctx.layout, ctx.meta
+        )
+        dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0 = grads
+        h0 = saved[7]
+        if dh0 is not None:
+            dh0 = dh0.to(h0.dtype)
+        return dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0, None, None, None, None
+
+
+# ============================================================================================ public API
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if t.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_raw: Tensor,
+    beta_raw: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    *,
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    use_beta_sigmoid: bool = True,
+    return_chunk_states: bool = False,
+    chunk_size: int = 64,
+    config: ChunkKDAConfig | None = None,
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
+    """Chunked KDA with the gate, the q/k L2 norm and the beta sigmoid fused into the kernels.
+
+    Args:
+        q, k: ``[B, T, H, K]`` raw queries / keys (L2-normalised per head inside when ``use_qk_l2norm``,
+            as ``x / max(||x||, 1e-6)``).
+        v: ``[B, T, H, V]``.
+        g_raw: ``[B, T, H, K]`` raw gate; the log decay is
+            ``lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h, c]))`` (see ``kda_gate``).
+        beta_raw: ``[B, T, H]``; ``beta = sigmoid(beta_raw)`` when ``use_beta_sigmoid``, else used as is.
+        A_log: ``[H]``; dt_bias: ``[H * K]``.
+        lower_bound: most negative log decay; ``15 * |lower_bound| <= 80`` (the sub-chunk factorisation).
+        scale: output scale, ``K ** -0.5`` by default.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``), any float dtype, read as fp32.
+        output_final_state: also return the fp32 state after the last token of every sequence.
+        cu_seqlens: packed variable-length batch (``B == 1``), int tensor ``[N + 1]`` from 0 to ``T``.
+        return_chunk_states: also return the fp32 state before every chunk, laid out like the
+            reference's ``kda_chunk(..., return_chunk_states=True)`` (``[B, NC, H, K, V]``); not
+            differentiable.
+        chunk_size: 16, 32 or 64 tokens.
+        config: tile sizes / launch parameters (:class:`ChunkKDAConfig`).
+
+    Returns:
+        ``(o, final_state or None[, chunk_states])``; ``o`` is ``[B, T, H, V]`` in ``v``'s dtype. Products
+        run in bf16 / tf32 when q, k and v are all 16-bit, in exact fp32 otherwise; accumulation is fp32.
+    """
+    cfg = config if config is not None else ChunkKDAConfig()
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    for name, t in (("k", k), ("g_raw", g_raw)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {B}, {T}, {H}, got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta_raw.shape != (B, T, H):
+        raise ValueError(f"beta_raw must be [B, T, H] = {(B, T, H)}, got {tuple(beta_raw.shape)}")
+    if A_log.shape != (H,):
+        raise ValueError(f"A_log must have shape [H]=[{H}], got {tuple(A_log.shape)}")
+    if dt_bias.shape != (H * K,):
+        raise ValueError(f"dt_bias must have shape [H*K]=[{H * K}], got {tuple(dt_bias.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g_raw", g_raw), ("beta_raw", beta_raw),
+                    ("A_log", A_log), ("dt_bias", dt_bias)):  # fmt: skip
+        _check_float(name, t)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all inputs must share one device")
+    if K > _MAX_HEAD_DIM or V > _MAX_HEAD_DIM:
+        raise ValueError(f"head dims K, V must be <= {_MAX_HEAD_DIM}, got K={K}, V={V}")
+    if chunk_size not in _CHUNK_SIZES or isinstance(chunk_size, bool):
+        raise ValueError(f"chunk_size must be one of {_CHUNK_SIZES}, got {chunk_size!r}")
+    if not (math.isfinite(lower_bound) and lower_bound < 0 and (_SUB - 1) * -lower_bound <= _MAX_EXPONENT):
+        raise ValueError(
+            f"lower_bound must be negative with 15 * |lower_bound| <= {_MAX_EXPONENT:g} "
+            f"(i.e. >= {-_MAX_EXPONENT / (_SUB - 1):.4f}), got {lower_bound}"
+        )
+    scale = K**-0.5 if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    emu = _INTERPRETED
+    if q.device.type != "cuda" and not emu:
+        raise ValueError(f"chunk_kda needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), got {q.device}")
+
+    if cu_seqlens is None:
+        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires a packed batch with B == 1, got B = {B}")
+        bounds = sequence_bounds(cu_seqlens, T)
+    n_seqs = len(bounds)
+    if initial_state is not None:
+        if initial_state.shape != (n_seqs, H, K, V):
+            who = "N (number of sequences)" if cu_seqlens is not None else "B"
+            raise ValueError(
+                f"initial_state must be [{who}, H, K, V] = {(n_seqs, H, K, V)}, got {tuple(initial_state.shape)}"
+            )
+        _check_float("initial_state", initial_state)
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+
+    meta = _Meta(
+        scale, float(lower_bound), bool(use_qk_l2norm), bool(use_beta_sigmoid), chunk_size,
+        _precision_code(cfg.precision, (q, k, v)), emu, cfg,
+    )  # fmt: skip
+    layout = _build_layout(bounds, chunk_size, q.device)
+    n_chunks_per_row = -(-T // chunk_size)
+
+    if B * T == 0:  # nothing to run: outputs of the right shapes, the state passes through
+        o = v.new_zeros(B, T, H, V)
+        final = None
+        if output_final_state:
+            final = (
+                initial_state.float().clone()
+                if initial_state is not None
+                else torch.zeros(n_seqs, H, K, V, dtype=torch.float32, device=q.device)
+            )
+        if return_chunk_states:
+            return o, final, torch.zeros(B if cu_seqlens is None else 1, 0, H, K, V, device=q.device)
+        return o, final
+
+    flat = [t.contiguous().view(B * T, *t.shape[2:]) for t in (q, k, v, g_raw, beta_raw)]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o, final, chunks = ChunkKDAFunction.apply(
+        *flat, A_log.contiguous(), dt_bias.contiguous(), h0, layout, meta, output_final_state, return_chunk_states
+    )
+    o = o.view(B, T, H, V)
+    if not return_chunk_states:
+        return o, final
+    if cu_seqlens is None:
+        chunks = chunks.view(B, n_chunks_per_row, H, K, V)
+    else:
+        chunks = chunks.unsqueeze(0)
+    return o, final, chunks

@@ -1,0 +1,223 @@
+"""Chunked KDA Triton kernels (forward and backward, run by the CPU interpreter) against the fp64 reference.
+
+Ground truth: ``kda_gate`` + ``F.normalize`` + ``sigmoid`` + ``kda_chunk`` evaluated in fp64 on the same
+(already rounded) inputs, differentiated by autograd. Every buffer the kernels write starts as NaN
+(``ChunkKDAConfig(poison=True)``), so an element a kernel forgets shows up in the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from utils import TOLERANCE, fresh_generator, rel_rms  # noqa: E402
+
+from k3.kernels.kda.chunk import ChunkKDAConfig, chunk_kda  # noqa: E402
+from k3.kernels.kda.reference import kda_chunk, kda_gate  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+H, K, V = 2, 32, 16  # K != V so that a swapped dimension cannot pass
+LOWER_BOUND = -5.0
+POISON = ChunkKDAConfig(poison=True)
+GRAD_NAMES = ("q", "k", "v", "g_raw", "beta_raw", "A_log", "dt_bias", "initial_state")
+
+
+def _inputs(gen, B, T, n_states, dtype, saturate=False):
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    q, k, v = draw(B, T, H, K), draw(B, T, H, K), draw(B, T, H, V)
+    g_raw, beta_raw = draw(B, T, H, K, scale=1.5), draw(B, T, H)
+    if saturate:  # saturated gates must not give NaN
+        g_raw[0, 1, 0, :3] = torch.tensor([float("inf"), float("-inf"), 40.0])
+    A_log = torch.empty(H).uniform_(0.0, 2.7, generator=gen)  # exp(A_log) in [1, 15]
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5
+    h0 = torch.randn(n_states, H, K, V, generator=gen)
+    return [q, k, v, g_raw, beta_raw, A_log, dt_bias, h0]
+
+
+def _reference(inputs, *, l2norm=True, beta_sigmoid=True, **kwargs):
+    """fp64 composition; +-inf raw gates become +-1e4 (same forward values, finite A_log gradient)."""
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0 = inputs
+    g_raw = g_raw.nan_to_num(posinf=1e4, neginf=-1e4)
+    if l2norm:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    beta = torch.sigmoid(beta_raw) if beta_sigmoid else beta_raw
+    return kda_chunk(q, k, v, kda_gate(g_raw, A_log, dt_bias, LOWER_BOUND), beta, initial_state=h0, **kwargs)
+
+
+def _leaves(inputs, dtype=None):
+    return [x.detach().to(dtype or x.dtype).requires_grad_(True) for x in inputs]
+
+
+def _check(name, actual, expected, dtype):
+    err = rel_rms(actual, expected)
+    assert err <= TOLERANCE[dtype], f"{name}: relative RMS error {err:.3e} > {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+def _run_both(inputs, dtype, cu_seqlens=None, **flags):
+    """Kernel and fp64 reference on the same inputs with state in/out and chunk states; loss uses o and the
+    final state, so every input (the initial state included) receives a gradient. Returns a dict name ->
+    (kernel value, reference value)."""
+    ours_in, ref_in = _leaves(inputs), _leaves(inputs, torch.float64)
+    o, ht, chunks = chunk_kda(
+        *ours_in[:7], initial_state=ours_in[7], output_final_state=True, cu_seqlens=cu_seqlens,
+        return_chunk_states=True, lower_bound=LOWER_BOUND, config=POISON, **flags,
+    )  # fmt: skip
+    ro, rht, rchunks = _reference(
+        ref_in, output_final_state=True, cu_seqlens=cu_seqlens, return_chunk_states=True,
+        chunk_size=flags.get("chunk_size", 64),
+    )  # fmt: skip
+    assert o.dtype == dtype and ht.dtype == torch.float32 and chunks.dtype == torch.float32
+    gen = torch.Generator().manual_seed(1)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    pairs = {"o": (o, ro), "final_state": (ht, rht), "chunk_states": (chunks, rchunks)}
+    for name, a, r in zip(GRAD_NAMES, ours_in, ref_in, strict=True):
+        assert a.grad is not None and a.grad.dtype == a.dtype, f"d{name}: missing or wrong dtype"
+        pairs["d" + name] = (a.grad, r.grad)
+    return pairs
+
+
+def _assert_all(pairs, dtype):
+    for name, (actual, expected) in pairs.items():
+        assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+        assert torch.isfinite(actual).all(), f"{name}: NaN/inf in kernel output (unwritten or invalid elements)"
+        _check(name, actual, expected, dtype)
+
+
+@pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 64), (torch.bfloat16, 16)])
+def test_dense_batch_forward_backward_states(dtype, chunk_size):
+    # T = 70: full chunks and a 6-token tail per row; two rows, two heads, state in and out. Chunks of 16
+    # are a single sub-chunk (no off-diagonal blocks in the inverse).
+    gen = fresh_generator()
+    pairs = _run_both(_inputs(gen, 2, 70, 2, dtype), dtype, chunk_size=chunk_size)
+    assert pairs["chunk_states"][0].shape == (2, -(-70 // chunk_size), H, K, V)
+    _assert_all(pairs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_forward_backward_states(dtype):
+    # Three unequal sequences packed in one row: 70 (chunk + tail), 13 (shorter than a chunk), 47.
+    gen = fresh_generator()
+    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
+    pairs = _run_both(_inputs(gen, 1, 130, 3, dtype, saturate=True), dtype, cu_seqlens=cu)
+    assert pairs["chunk_states"][0].shape == (1, 4, H, K, V)
+    _assert_all(pairs, dtype)
+
+
+def test_flags_off_smaller_chunks_custom_scale_and_no_state():
+    # Pre-normalised q/k and pre-activated beta passed through untouched; 32-token chunks; no state given
+    # or returned. An empty sequence in the middle must not disturb its neighbours.
+    dtype = torch.float32
+    gen = fresh_generator()
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, _ = _inputs(gen, 1, 45, 1, dtype)
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    beta = torch.rand(1, 45, H, generator=gen)
+    cu = torch.tensor([0, 40, 40, 45])
+    ours_in = _leaves([q, k, v, g_raw, beta, A_log, dt_bias])
+    ref_in = _leaves([q, k, v, g_raw, beta, A_log, dt_bias], torch.float64)
+    o, final = chunk_kda(
+        *ours_in, scale=0.3, cu_seqlens=cu, use_qk_l2norm=False, use_beta_sigmoid=False, chunk_size=32,
+        lower_bound=LOWER_BOUND, config=POISON,
+    )  # fmt: skip
+    assert final is None
+    ro, _ = _reference(ref_in + [None], l2norm=False, beta_sigmoid=False, scale=0.3, cu_seqlens=cu, chunk_size=32)
+    do = torch.randn(o.shape, generator=gen)
+    (o.double() * do).sum().backward()
+    (ro * do).sum().backward()
+    pairs = {"o": (o, ro)}
+    pairs.update({"d" + n: (a.grad, r.grad) for n, a, r in zip(GRAD_NAMES, ours_in, ref_in, strict=False)})
+    _assert_all(pairs, dtype)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16", 3e-2), ("ieee", 5e-3)])
+def test_precision_modes_forward(precision, tolerance):
+    # bf16 inputs: single bf16-operand products are only about 8 bits accurate, exact fp32 products leave
+    # just the input/output rounding.
+    dtype = torch.bfloat16
+    inputs = _inputs(fresh_generator(), 1, 40, 1, dtype)
+    o, final = chunk_kda(
+        *inputs[:7], initial_state=inputs[7], output_final_state=True, lower_bound=LOWER_BOUND,
+        config=ChunkKDAConfig(precision=precision, poison=True),
+    )  # fmt: skip
+    ro, rht = _reference([x.double() for x in inputs], output_final_state=True)
+    for name, actual, expected in (("o", o, ro), ("final_state", final, rht)):
+        err = rel_rms(actual, expected)
+        assert err <= tolerance, f"{name} with precision={precision}: relative RMS error {err:.3e} > {tolerance}"
+
+
+def test_empty_input_passes_the_state_through():
+    z = torch.zeros(1, 0, H, K)
+    h0 = torch.randn(1, H, K, V)
+    o, final, chunks = chunk_kda(
+        z, z, torch.zeros(1, 0, H, V), z, torch.zeros(1, 0, H), torch.zeros(H), torch.zeros(H * K),
+        initial_state=h0, output_final_state=True, return_chunk_states=True,
+    )  # fmt: skip
+    assert o.shape == (1, 0, H, V) and chunks.shape == (1, 0, H, K, V)
+    torch.testing.assert_close(final, h0)
+
+
+def _good(B=1, T=8):
+    return dict(
+        q=torch.zeros(B, T, H, K), k=torch.zeros(B, T, H, K), v=torch.zeros(B, T, H, V),
+        g_raw=torch.zeros(B, T, H, K), beta_raw=torch.zeros(B, T, H), A_log=torch.zeros(H),
+        dt_bias=torch.zeros(H * K),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(q=torch.zeros(8, H, K)), r"q must be \[B, T, H, K\], got shape \(8, 2, 32\)"),
+        (dict(k=torch.zeros(1, 8, H, K + 1)), r"k must have the shape of q \(1, 8, 2, 32\), got \(1, 8, 2, 33\)"),
+        (dict(g_raw=torch.zeros(1, 7, H, K)), r"g_raw must have the shape of q"),
+        (dict(v=torch.zeros(1, 8, H + 1, V)), r"v must be \[B, T, H, V\] with B, T, H = 1, 8, 2"),
+        (dict(beta_raw=torch.zeros(1, 8, H, 1)), r"beta_raw must be \[B, T, H\] = \(1, 8, 2\)"),
+        (dict(A_log=torch.zeros(H + 1)), r"A_log must have shape \[H\]=\[2\], got \(3,\)"),
+        (dict(dt_bias=torch.zeros(H, K)), r"dt_bias must have shape \[H\*K\]=\[64\], got \(2, 32\)"),
+        (dict(v=torch.zeros(1, 8, H, V, dtype=torch.float64)), r"v must be float32, bfloat16 or float16"),
+        (dict(beta_raw=torch.zeros(1, 8, H, dtype=torch.int32)), r"beta_raw must be float32, bfloat16"),
+        (dict(lower_bound=-6.0), r"lower_bound must be negative with 15 \* \|lower_bound\| <= 80"),
+        (dict(lower_bound=0.0), r"lower_bound must be negative"),
+        (dict(chunk_size=48), r"chunk_size must be one of \(16, 32, 64\), got 48"),
+        (dict(scale=0.0), r"scale must be a positive finite number, got 0.0"),
+        (dict(initial_state=torch.zeros(2, H, K, V)), r"initial_state must be \[B, H, K, V\] = \(1, 2, 32, 16\)"),
+        (
+            dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, H, K, V)),
+            r"initial_state must be \[N \(number of sequences\), H, K, V\] = \(2, 2, 32, 16\)",
+        ),
+        (dict(cu_seqlens=torch.tensor([0, 3, 9])), r"cu_seqlens must start at 0 and end at T = 8"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), r"cu_seqlens must be non-decreasing"),
+    ],
+)
+def test_bad_inputs_are_rejected_with_the_field_named(change, message):
+    args = _good()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        chunk_kda(**args)
+
+
+def test_cu_seqlens_needs_a_packed_batch():
+    with pytest.raises(ValueError, match=r"cu_seqlens requires a packed batch with B == 1, got B = 2"):
+        chunk_kda(**_good(B=2), cu_seqlens=torch.tensor([0, 8]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_k", 24, r"ChunkKDAConfig.block_k must be a power of two >= 16, got 24"),
+        ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
+        ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
+        ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'ieee'\), got 'fp8'"),
+    ],
+)
+def test_config_fields_are_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ChunkKDAConfig(**{field: value})
