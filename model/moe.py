@@ -19,9 +19,15 @@ Design decisions:
 - Router statistics stay on the module: ``tokens_per_expert`` accumulates per-expert selection counts until
   ``reset_router_stats()``; with ``record_scores = True`` the latest router scores [tokens, E] are kept in
   ``last_router_scores`` (off by default: at full scale they are large).
+- ``routed_compute`` (None by default) replaces the local expert loop: a callable
+  ``(layer, z [N, l], ids [N, k], weights [N, k]) -> u [N, l] fp32`` that computes the weighted sum of the
+  routed experts elsewhere (the expert-pool client of the serving path). Routing, statistics, W_down/W_up
+  and the shared experts stay in the layer either way.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -61,6 +67,7 @@ class LatentMoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64), persistent=False)
         self.record_scores = False
         self.last_router_scores: Tensor | None = None
+        self.routed_compute: Callable[[LatentMoE, Tensor, Tensor, Tensor], Tensor] | None = None
         shared = [w for expert in self.shared_experts for w in (expert.w_in.weight, expert.w_out.weight)]
         for w in (self.router.weight, self.w_down.weight, self.w_up.weight, self.w_in, self.w_out, *shared):
             init_normal_(w, std=INIT_STD)
@@ -91,7 +98,20 @@ class LatentMoE(nn.Module):
                 self.last_router_scores = scores.detach()
 
         z = self.w_down(flat)
-        u = torch.zeros(flat.shape[0], z.shape[-1], dtype=torch.float32, device=x.device)
+        if self.routed_compute is not None:
+            u = self.routed_compute(self, z, ids, weights)
+        else:
+            u = self._local_experts(z, ids, weights)
+        y = self.w_up(self.latent_norm(u.to(x.dtype)))
+        if self.routed_scaling != 1.0:
+            y = y * self.routed_scaling
+        for expert in self.shared_experts:
+            y = y + expert(flat)
+        return y.reshape(shape)
+
+    def _local_experts(self, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """u [N, l] fp32 = Σ_slots weight · Expert(z) over this layer's own routed expert weights."""
+        u = torch.zeros(z.shape[0], z.shape[-1], dtype=torch.float32, device=z.device)
         # Group (token, slot) pairs by expert; loop only over experts that received tokens.
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
@@ -107,10 +127,4 @@ class LatentMoE(nn.Module):
             out = situ_glu(gate, linear, self.beta1, self.beta2) @ self.w_out[expert].t()
             u.index_add_(0, tokens, out.float() * weight_of[start:start + count, None])
             start += count
-
-        y = self.w_up(self.latent_norm(u.to(x.dtype)))
-        if self.routed_scaling != 1.0:
-            y = y * self.routed_scaling
-        for expert in self.shared_experts:
-            y = y + expert(flat)
-        return y.reshape(shape)
+        return u

@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
     parser.add_argument("--host", help="interface to bind (overrides server.host)")
     parser.add_argument("--port", type=int, help="port to bind, 0 = any free port (overrides server.port)")
+    parser.add_argument("--shard", metavar="I/N", help="experts only: host shard I of N (overrides shard)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(func=run)
 
@@ -32,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     except registry.UnknownServiceError as exc:
         raise CLIError(str(exc)) from None
     try:
-        config = load_config(spec.config_type, args.config, overrides={"server.host": args.host, "server.port": args.port})
+        config = load_config(spec.config_type, args.config, overrides={
+            "server.host": args.host, "server.port": args.port, "shard": args.shard})
     except ConfigError as exc:
         raise CLIError(f"config: {exc}") from None
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

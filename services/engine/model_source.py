@@ -5,6 +5,10 @@ Either a trained ``checkpoint`` (a checkpoint folder or a run folder; its tokeni
 a trained model. Seeded weights are drawn from a private RNG state (``torch.random.fork_rng``), so loading a
 model never disturbs the process's global random state and two workers with the same preset and seed hold
 bit-identical weights, which is what lets a prefill and a decode worker share states.
+
+With ``expert_pools`` set, every MoE layer computes its routed experts on those expert pools
+(``k3 serve experts``) through one ``ExpertPoolClient`` (``model.expert_pool_client``) instead of locally;
+the pools must serve the same model (checkpoint, or preset and seed).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class ModelSourceConfig:
         doc="Tokenizer for text output and stop strings: 'byte', or a saved tokenizer folder. "
         "Default: the checkpoint's own; none for a preset (token ids only).",
     )
+    expert_pools: list[str] = documented(
+        default_factory=list,
+        doc="host:port of expert pools (k3 serve experts) computing the routed experts; empty = local experts.",
+    )
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.preset is not None:
@@ -50,6 +58,9 @@ class ModelSourceConfig:
             raise ConfigError(f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}", field="dtype")
         if self.seed < 0:
             raise ConfigError(f"must be >= 0, got {self.seed}", field="seed")
+        for i, address in enumerate(self.expert_pools):
+            if not address.strip():
+                raise ConfigError("must not be blank", field=f"expert_pools[{i}]")
 
     def load(self) -> tuple[Any, Any]:
         """``(model in eval mode, tokenizer or None)``; ``ValueError`` if no model is configured."""
@@ -72,7 +83,12 @@ class ModelSourceConfig:
                              "from model.seed)")
         if self.tokenizer is not None:
             tokenizer = load_tokenizer(self.tokenizer)
-        return model.to(dtype).eval(), tokenizer
+        model = model.to(dtype).eval()
+        if self.expert_pools:
+            from k3.services.experts.client import attach_pools
+
+            attach_pools(model, self.expert_pools)
+        return model, tokenizer
 
 
 def load_tokenizer(spec: str):

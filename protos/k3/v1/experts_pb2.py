@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.protos.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/experts.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"h\n\x14\x45xpertComputeRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nexpert_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x05\x12\x1d\n\x06tokens\x18\x04 \x01(\x0b\x32\r.k3.v1.Tensor\"7\n\x15\x45xpertComputeResponse\x12\x1e\n\x07outputs\x18\x01 \x01(\x0b\x32\r.k3.v1.Tensor\"\x12\n\x10PoolStatsRequest\"`\n\x11PoolStatsResponse\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x19\n\x11tokens_per_expert\x18\x03 \x03(\x03\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x32\x92\x01\n\nExpertPool\x12\x44\n\x07\x43ompute\x12\x1b.k3.v1.ExpertComputeRequest\x1a\x1c.k3.v1.ExpertComputeResponse\x12>\n\tPoolStats\x12\x17.k3.v1.PoolStatsRequest\x1a\x18.k3.v1.PoolStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/experts.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"h\n\x14\x45xpertComputeRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x12\n\nexpert_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x05\x12\x1d\n\x06tokens\x18\x04 \x01(\x0b\x32\r.k3.v1.Tensor\"7\n\x15\x45xpertComputeResponse\x12\x1e\n\x07outputs\x18\x01 \x01(\x0b\x32\r.k3.v1.Tensor\"*\n\tExpertRef\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"3\n\x12\x46\x65tchExpertRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"o\n\x13\x46\x65tchExpertResponse\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x1b\n\x04w_in\x18\x03 \x01(\x0b\x32\r.k3.v1.Tensor\x12\x1c\n\x05w_out\x18\x04 \x01(\x0b\x32\r.k3.v1.Tensor\"=\n\x0bReplicaSpec\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0f\n\x07sources\x18\x03 \x03(\t\"S\n\x10ReplicateRequest\x12\x1f\n\x03\x61\x64\x64\x18\x01 \x03(\x0b\x32\x12.k3.v1.ReplicaSpec\x12\x1e\n\x04\x64rop\x18\x02 \x03(\x0b\x32\x10.k3.v1.ExpertRef\"i\n\x11ReplicateResponse\x12\x0f\n\x07\x66\x65tched\x18\x01 \x01(\x05\x12\x0e\n\x06loaded\x18\x02 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\x05\x12\"\n\x08replicas\x18\x04 \x03(\x0b\x32\x10.k3.v1.ExpertRef\"J\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0c\n\x04rows\x18\x03 \x01(\x03\x12\x0f\n\x07replica\x18\x04 \x01(\x08\"\x12\n\x10PoolStatsRequest\"\x99\x02\n\x11PoolStatsResponse\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x19\n\x11tokens_per_expert\x18\x03 \x03(\x03\x12\x10\n\x08replicas\x18\x04 \x01(\x05\x12\x13\n\x0bshard_index\x18\x05 \x01(\x05\x12\x13\n\x0bshard_count\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x0e\n\x06layers\x18\x08 \x03(\x05\x12\x13\n\x0b\x63onfig_hash\x18\t \x01(\t\x12\x0c\n\x04rows\x18\n \x01(\x03\x12\x10\n\x08requests\x18\x0b \x01(\x03\x12 \n\x05loads\x18\x0c \x03(\x0b\x32\x11.k3.v1.ExpertLoad\x12\x11\n\timbalance\x18\r \x01(\x01\x32\x98\x02\n\nExpertPool\x12\x44\n\x07\x43ompute\x12\x1b.k3.v1.ExpertComputeRequest\x1a\x1c.k3.v1.ExpertComputeResponse\x12>\n\tPoolStats\x12\x17.k3.v1.PoolStatsRequest\x1a\x18.k3.v1.PoolStatsResponse\x12\x44\n\x0b\x46\x65tchExpert\x12\x19.k3.v1.FetchExpertRequest\x1a\x1a.k3.v1.FetchExpertResponse\x12>\n\tReplicate\x12\x17.k3.v1.ReplicateRequest\x1a\x18.k3.v1.ReplicateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTCOMPUTEREQUEST']._serialized_end=154
   _globals['_EXPERTCOMPUTERESPONSE']._serialized_start=156
   _globals['_EXPERTCOMPUTERESPONSE']._serialized_end=211
-  _globals['_POOLSTATSREQUEST']._serialized_start=213
-  _globals['_POOLSTATSREQUEST']._serialized_end=231
-  _globals['_POOLSTATSRESPONSE']._serialized_start=233
-  _globals['_POOLSTATSRESPONSE']._serialized_end=329
-  _globals['_EXPERTPOOL']._serialized_start=332
-  _globals['_EXPERTPOOL']._serialized_end=478
+  _globals['_EXPERTREF']._serialized_start=213
+  _globals['_EXPERTREF']._serialized_end=255
+  _globals['_FETCHEXPERTREQUEST']._serialized_start=257
+  _globals['_FETCHEXPERTREQUEST']._serialized_end=308
+  _globals['_FETCHEXPERTRESPONSE']._serialized_start=310
+  _globals['_FETCHEXPERTRESPONSE']._serialized_end=421
+  _globals['_REPLICASPEC']._serialized_start=423
+  _globals['_REPLICASPEC']._serialized_end=484
+  _globals['_REPLICATEREQUEST']._serialized_start=486
+  _globals['_REPLICATEREQUEST']._serialized_end=569
+  _globals['_REPLICATERESPONSE']._serialized_start=571
+  _globals['_REPLICATERESPONSE']._serialized_end=676
+  _globals['_EXPERTLOAD']._serialized_start=678
+  _globals['_EXPERTLOAD']._serialized_end=752
+  _globals['_POOLSTATSREQUEST']._serialized_start=754
+  _globals['_POOLSTATSREQUEST']._serialized_end=772
+  _globals['_POOLSTATSRESPONSE']._serialized_start=775
+  _globals['_POOLSTATSRESPONSE']._serialized_end=1056
+  _globals['_EXPERTPOOL']._serialized_start=1059
+  _globals['_EXPERTPOOL']._serialized_end=1339
 # @@protoc_insertion_point(module_scope)

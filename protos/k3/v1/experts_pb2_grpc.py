@@ -44,6 +44,16 @@ class ExpertPoolStub:
                 request_serializer=k3_dot_v1_dot_experts__pb2.PoolStatsRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_experts__pb2.PoolStatsResponse.FromString,
                 _registered_method=True)
+        self.FetchExpert = channel.unary_unary(
+                '/k3.v1.ExpertPool/FetchExpert',
+                request_serializer=k3_dot_v1_dot_experts__pb2.FetchExpertRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_experts__pb2.FetchExpertResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/k3.v1.ExpertPool/Replicate',
+                request_serializer=k3_dot_v1_dot_experts__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_experts__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertPoolServicer:
@@ -63,6 +73,22 @@ class ExpertPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchExpert(self, request, context):
+        """The weights of one expert this pool hosts (its home experts or replicas),
+        so that another pool can replicate it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """Adds temporary replicas of foreign experts (weights fetched from `sources`,
+        else read from the pool's own model source) and drops others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +101,16 @@ def add_ExpertPoolServicer_to_server(servicer, server):
                     servicer.PoolStats,
                     request_deserializer=k3_dot_v1_dot_experts__pb2.PoolStatsRequest.FromString,
                     response_serializer=k3_dot_v1_dot_experts__pb2.PoolStatsResponse.SerializeToString,
+            ),
+            'FetchExpert': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchExpert,
+                    request_deserializer=k3_dot_v1_dot_experts__pb2.FetchExpertRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_experts__pb2.FetchExpertResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=k3_dot_v1_dot_experts__pb2.ReplicateRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_experts__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +167,60 @@ class ExpertPool:
             '/k3.v1.ExpertPool/PoolStats',
             k3_dot_v1_dot_experts__pb2.PoolStatsRequest.SerializeToString,
             k3_dot_v1_dot_experts__pb2.PoolStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchExpert(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.ExpertPool/FetchExpert',
+            k3_dot_v1_dot_experts__pb2.FetchExpertRequest.SerializeToString,
+            k3_dot_v1_dot_experts__pb2.FetchExpertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.ExpertPool/Replicate',
+            k3_dot_v1_dot_experts__pb2.ReplicateRequest.SerializeToString,
+            k3_dot_v1_dot_experts__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

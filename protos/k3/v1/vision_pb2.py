@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.protos.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/vision.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"_\n\x05Media\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12#\n\x05video\x18\x02 \x01(\x0b\x32\x12.k3.v1.VideoFramesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x11\n\tcontainer\x18\x02 \x01(\x0c\",\n\rEncodeRequest\x12\x1b\n\x05media\x18\x01 \x03(\x0b\x32\x0c.k3.v1.Media\"V\n\x0c\x45ncodedMedia\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x1d\n\x06tokens\x18\x02 \x01(\x0b\x32\r.k3.v1.Tensor\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\"4\n\x0e\x45ncodeResponse\x12\"\n\x05media\x18\x01 \x03(\x0b\x32\x13.k3.v1.EncodedMedia2?\n\x06Vision\x12\x35\n\x06\x45ncode\x12\x14.k3.v1.EncodeRequest\x1a\x15.k3.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/vision.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"_\n\x05Media\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12#\n\x05video\x18\x02 \x01(\x0b\x32\x12.k3.v1.VideoFramesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x11\n\tcontainer\x18\x02 \x01(\x0c\",\n\rEncodeRequest\x12\x1b\n\x05media\x18\x01 \x03(\x0b\x32\x0c.k3.v1.Media\"d\n\x0c\x45ncodedMedia\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x1d\n\x06tokens\x18\x02 \x01(\x0b\x32\r.k3.v1.Tensor\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0c\n\x04grid\x18\x04 \x03(\x03\"4\n\x0e\x45ncodeResponse\x12\"\n\x05media\x18\x01 \x03(\x0b\x32\x13.k3.v1.EncodedMedia2?\n\x06Vision\x12\x35\n\x06\x45ncode\x12\x14.k3.v1.EncodeRequest\x1a\x15.k3.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,9 +39,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEREQUEST']._serialized_start=196
   _globals['_ENCODEREQUEST']._serialized_end=240
   _globals['_ENCODEDMEDIA']._serialized_start=242
-  _globals['_ENCODEDMEDIA']._serialized_end=328
-  _globals['_ENCODERESPONSE']._serialized_start=330
-  _globals['_ENCODERESPONSE']._serialized_end=382
-  _globals['_VISION']._serialized_start=384
-  _globals['_VISION']._serialized_end=447
+  _globals['_ENCODEDMEDIA']._serialized_end=342
+  _globals['_ENCODERESPONSE']._serialized_start=344
+  _globals['_ENCODERESPONSE']._serialized_end=396
+  _globals['_VISION']._serialized_start=398
+  _globals['_VISION']._serialized_end=461
 # @@protoc_insertion_point(module_scope)

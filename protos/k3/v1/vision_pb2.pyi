@@ -32,14 +32,16 @@ class EncodeRequest(_message.Message):
     def __init__(self, media: _Optional[_Iterable[_Union[Media, _Mapping]]] = ...) -> None: ...
 
 class EncodedMedia(_message.Message):
-    __slots__ = ("content_hash", "tokens", "cache_hit")
+    __slots__ = ("content_hash", "tokens", "cache_hit", "grid")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
     content_hash: str
     tokens: _common_pb2.Tensor
     cache_hit: bool
-    def __init__(self, content_hash: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, content_hash: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., grid: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("media",)

@@ -1,0 +1,47 @@
+"""``k3 experts stats --pool ADDR [--pool ...] [--json]``: load of expert pools (``PoolStats`` of each pool).
+
+Prints, per pool, its shard, rows computed, Compute calls, replicas and the imbalance over its home experts,
+then the imbalance across pools, the rows of every expert (all layers and pools together) and the imbalance
+across experts. ``--json`` prints the same report as one JSON document. A pool that does not answer within
+``--timeout`` is an error naming it (the report would be misleading without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("experts", help="inspect expert pools (k3 serve experts)")
+    actions = parser.add_subparsers(dest="experts_command", metavar="ACTION", required=True)
+    stats = actions.add_parser("stats", help="per-expert and per-pool load, imbalance and replicas")
+    stats.add_argument("--pool", action="append", required=True, metavar="ADDR",
+                       help="host:port of an expert pool (repeat for several)")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each pool (default 5)")
+    stats.set_defaults(func=run_stats)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    import grpc
+
+    from k3.cli import CLIError
+    from k3.protos.v1 import experts_pb2, experts_pb2_grpc
+    from k3.services.common.client import make_channel
+    from k3.services.experts.stats import cluster_report, format_report
+
+    if not args.timeout > 0:
+        raise CLIError(f"--timeout must be > 0, got {args.timeout}")
+    answers = []
+    for address in dict.fromkeys(args.pool):
+        with make_channel(address) as channel:
+            try:
+                stats = experts_pb2_grpc.ExpertPoolStub(channel).PoolStats(
+                    experts_pb2.PoolStatsRequest(), timeout=args.timeout)
+            except grpc.RpcError as exc:
+                raise CLIError(f"expert pool {address}: {exc.code().name}: {exc.details()}") from None
+        answers.append((address, stats))
+    report = cluster_report(answers)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

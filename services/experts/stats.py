@@ -1,0 +1,63 @@
+"""Load statistics of expert pools: imbalance, and the cluster view built from several ``PoolStats`` answers.
+
+Imbalance is max/mean (1.0 = perfectly even; 0.0 when nothing was computed yet): the slowest pool (or the
+busiest expert) sets the pace of every MoE step, so max/mean is the factor by which a step is slower than
+a perfectly balanced one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from k3.protos.v1 import experts_pb2
+
+
+def imbalance(values: Iterable[float]) -> float:
+    """max/mean of ``values``; 0.0 when they are empty or all zero."""
+    values = list(values)
+    total = sum(values)
+    if not values or total <= 0:
+        return 0.0
+    return max(values) / (total / len(values))
+
+
+def cluster_report(pools: Sequence[tuple[str, experts_pb2.PoolStatsResponse]]) -> dict[str, Any]:
+    """A JSON-ready summary of pools: per pool (shard, rows, requests, replicas, own imbalance), imbalance
+    across pools, per-expert load summed over pools and layers, and the imbalance across experts."""
+    per_expert: dict[int, int] = {}
+    rows = []
+    for address, stats in pools:
+        for load in stats.loads:
+            per_expert[load.expert] = per_expert.get(load.expert, 0) + load.rows
+        rows.append({
+            "address": address,
+            "shard": stats.shard,
+            "rows": stats.rows,
+            "requests": stats.requests,
+            "replicas": stats.replicas,
+            "replica_experts": sorted({f"{load.layer}:{load.expert}" for load in stats.loads if load.replica}),
+            "imbalance": round(stats.imbalance, 4),
+        })
+    num_experts = max((stats.num_experts for _, stats in pools), default=0)
+    expert_rows = [per_expert.get(e, 0) for e in range(num_experts)]
+    return {
+        "pools": rows,
+        "pool_imbalance": round(imbalance(r["rows"] for r in rows), 4),
+        "expert_rows": expert_rows,
+        "expert_imbalance": round(imbalance(expert_rows), 4),
+        "replicas": sum(r["replicas"] for r in rows),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as an aligned text table plus summary lines."""
+    lines = [f"{'pool':<24} {'shard':>6} {'rows':>10} {'requests':>9} {'replicas':>9} {'imbalance':>10}"]
+    for row in report["pools"]:
+        lines.append(f"{row['address']:<24} {row['shard']:>6} {row['rows']:>10} {row['requests']:>9} "
+                     f"{row['replicas']:>9} {row['imbalance']:>10.3f}")
+    lines.append(f"pool imbalance (max/mean rows): {report['pool_imbalance']:.3f}")
+    lines.append(f"expert imbalance (max/mean rows): {report['expert_imbalance']:.3f}")
+    lines.append("rows per expert: " + " ".join(f"{e}:{n}" for e, n in enumerate(report["expert_rows"])))
+    lines.append(f"replicas: {report['replicas']}")
+    return "\n".join(lines)
