@@ -79,6 +79,9 @@ class ServerConfig:
         None, doc="OTLP/gRPC collector address (host:port) for traces and metrics; None = export nothing."
     )
     metrics: bool = documented(True, doc="Record request count, latency and in-flight gauges per method.")
+    metrics_port: int = documented(
+        0, doc="Port of a Prometheus scrape endpoint (/metrics) on ``host`` for this process's metrics; 0 = off."
+    )
     tracing: bool = documented(True, doc="Record server/client spans and propagate W3C trace context.")
 
     def __post_init__(self) -> None:
@@ -86,6 +89,10 @@ class ServerConfig:
             raise ConfigError("must not be empty", field="host")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"must be in 0..65535, got {self.port}", field="port")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"must be in 0..65535, got {self.metrics_port}", field="metrics_port")
+        if self.metrics_port and not self.metrics:
+            raise ConfigError("needs metrics: true (nothing would be recorded to serve)", field="metrics_port")
         if self.grace_seconds < 0:
             raise ConfigError(f"must be >= 0, got {self.grace_seconds}", field="grace_seconds")
         if self.max_message_bytes < 1024:

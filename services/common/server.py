@@ -146,12 +146,21 @@ def build_server(
 def start_server(service: Service, config: ServerConfig, *, telemetry: Telemetry | None = None) -> ServerHandle:
     """Serve ``service`` on ``config.host:config.port`` in background threads; returns once it is SERVING.
 
-    Without ``telemetry``, providers are built from ``config`` (and shut down with the server). On failure
-    the service is closed before the error propagates.
+    Without ``telemetry``, the service's own ``telemetry`` attribute is used when it has one, else providers
+    are built from ``config`` (and shut down with the server). On failure the service is closed before the
+    error propagates.
     """
+    if telemetry is None and isinstance(getattr(service, "telemetry", None), Telemetry):
+        # A service that built its own providers (to record its own metrics) shares them with the server:
+        # one meter provider, one metrics endpoint per process. The service shuts them down in close().
+        telemetry = service.telemetry
     owns_telemetry = telemetry is None
     if telemetry is None:
-        telemetry = setup_telemetry(service.name, config)
+        try:
+            telemetry = setup_telemetry(service.name, config)
+        except OSError as exc:  # the metrics port (server.metrics_port) is taken: a bind failure like gRPC's
+            service.close()
+            raise BindError(str(exc)) from None
     executor = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="k3-rpc")
     try:
         in_flight = InFlightInterceptor()
@@ -181,6 +190,8 @@ def start_server(service: Service, config: ServerConfig, *, telemetry: Telemetry
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving %s on %s", service.name, ", ".join(names), format_address(config.host, port))
+    if telemetry.metrics_endpoint is not None:
+        log.info("%s metrics at %s", service.name, telemetry.metrics_endpoint.url)
     return ServerHandle(
         server, executor, port, health_servicer, in_flight, service, config, telemetry, owns_telemetry
     )

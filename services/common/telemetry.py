@@ -10,12 +10,15 @@ Design decisions:
   through a periodic OTLP/gRPC reader; without it the providers are no-ops (nothing recorded, nothing
   buffered). Tests pass their own span exporter and metric reader (e.g. in-memory) instead.
 - ``tracing`` / ``metrics`` set to false give no-op providers whatever the endpoint.
+- ``metrics_port`` adds a Prometheus scrape endpoint (``k3.services.common.prometheus``) next to (or instead
+  of) the OTLP reader; the ``Telemetry`` owns it and closes it on shutdown.
 - Trace context travels in gRPC metadata in W3C ``traceparent``/``tracestate`` form only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
@@ -27,6 +30,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from k3.services.common.config import ServerConfig
+
+if TYPE_CHECKING:
+    from k3.services.common.prometheus import PrometheusEndpoint
 
 INSTRUMENTATION_NAME = "k3"
 
@@ -40,6 +46,8 @@ class Telemetry:
     tracing: bool = False
     metrics: bool = False
     propagator: TextMapPropagator = field(default_factory=TraceContextTextMapPropagator)
+    #: the Prometheus scrape endpoint when ``metrics_port`` is set (its ``port`` is the bound one)
+    metrics_endpoint: PrometheusEndpoint | None = None
 
     def tracer(self, name: str = INSTRUMENTATION_NAME) -> trace.Tracer:
         return self.tracer_provider.get_tracer(name)
@@ -53,6 +61,8 @@ class Telemetry:
             shutdown = getattr(provider, "shutdown", None)
             if shutdown is not None:
                 shutdown()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
 
 
 def _insecure(endpoint: str) -> bool:
@@ -85,13 +95,25 @@ def setup_telemetry(
             exporter = OTLPSpanExporter(endpoint=endpoint, insecure=_insecure(endpoint))
             provider.add_span_processor(BatchSpanProcessor(exporter))
         telemetry.tracer_provider, telemetry.tracing = provider, True
-    if config.metrics and (metric_reader is not None or endpoint):
-        if metric_reader is None:
+    if config.metrics and (metric_reader is not None or endpoint or config.metrics_port):
+        readers: list[MetricReader] = []
+        if metric_reader is not None:
+            readers.append(metric_reader)
+        elif endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-            metric_reader = PeriodicExportingMetricReader(
+            readers.append(PeriodicExportingMetricReader(
                 OTLPMetricExporter(endpoint=endpoint, insecure=_insecure(endpoint))
-            )
-        telemetry.meter_provider = MeterProvider(resource=resource, metric_readers=[metric_reader])
+            ))
+        if config.metrics_port:
+            from k3.services.common.prometheus import PrometheusEndpoint
+
+            try:
+                telemetry.metrics_endpoint = PrometheusEndpoint(config.host, config.metrics_port)
+            except BaseException:
+                telemetry.shutdown()  # do not leak the tracer provider built above
+                raise
+            readers.append(telemetry.metrics_endpoint.reader)
+        telemetry.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         telemetry.metrics = True
     return telemetry
