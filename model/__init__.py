@@ -25,3 +25,4 @@ from k3.model.presets import PRESETS, get_preset  # noqa: F401
 from k3.model.situ import SiTUGLU, situ_glu  # noqa: F401
 from k3.model.state import SequenceState  # noqa: F401
 from k3.model.transformer import K3Model, lm_loss, next_token_labels  # noqa: F401
+from k3.model.vision import VisionConfig, VisionEncoder, get_vision_preset  # noqa: F401
