@@ -3,13 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: test lint protos clean
+.PHONY: demo test lint protos clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[dev]"
 	touch $(STAMP)
+
+# Train a small model (first run only, a few minutes), serve it with `k3 up`, chat with it, stop.
+demo: $(STAMP)
+	$(PY) ops/demo.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

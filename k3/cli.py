@@ -18,7 +18,13 @@ COMMAND_MODULES = [
     "k3.commands.model",
     "k3.commands.infra",
     "k3.commands.serve",
+    "k3.commands.experts",
+    "k3.commands.up",
+    "k3.commands.chat",
+    "k3.commands.bench",
     "k3.commands.tokenizer",
+    "k3.commands.train",
+    "k3.commands.sft",
 ]
 
 

@@ -15,6 +15,12 @@ from k3.services.common.server import Service
 
 SERVICES: dict[str, str] = {
     "cache": "k3.services.cache.service:SPEC",
+    "prefill": "k3.services.prefill.service:SPEC",
+    "decode": "k3.services.decode.service:SPEC",
+    "router": "k3.services.router.service:SPEC",
+    "vision": "k3.services.vision.service:SPEC",
+    "experts": "k3.services.experts.service:SPEC",
+    "planner": "k3.services.planner.service:SPEC",
 }
 
 
