@@ -671,8 +671,12 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def plot_losses(path: Path, train_hist: list[tuple[int, float]], eval_hist: list[tuple[int, float]],
-                cfg: TrainConfig) -> None:
-    """Train (raw and smoothed) and eval loss against step, with the context stage boundaries marked."""
+                cfg: TrainConfig, *, title: str | None = None, stage_marks: bool = True) -> None:
+    """Train (raw and smoothed) and eval loss against step, with the context stage boundaries marked.
+
+    ``title`` replaces the pretraining title and ``stage_marks=False`` leaves the stages out, for other loops
+    (SFT) that draw their curves the same way.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -694,13 +698,15 @@ def plot_losses(path: Path, train_hist: list[tuple[int, float]], eval_hist: list
         ax.plot(steps, losses, color="tab:red", marker="o", markersize=3, linewidth=1.5, label="eval (held out)")
     bounds = cfg.stage_bounds()
     for end, (_, seq_len) in zip([0, *bounds[:-1]], cfg.stages, strict=True):
+        if not stage_marks:
+            break
         ax.axvline(end, color="gray", linestyle=":", linewidth=0.8)
         ax.annotate(f"ctx {seq_len}", (end, 0.0), xycoords=("data", "axes fraction"), fontsize=8,
                     color="gray", xytext=(3, 4), textcoords="offset points")
     ax.set_xlim(0, cfg.steps)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"k3 pretraining — preset {cfg.preset}")
+    ax.set_title(title if title is not None else f"k3 pretraining — preset {cfg.preset}")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     fig.tight_layout()
