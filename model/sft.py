@@ -54,6 +54,7 @@ from k3.model.train import (
     _StopFlag,
     _threads,
     _truncate_metrics,
+    balance_routers,
     plot_losses,
 )
 
@@ -391,6 +392,8 @@ def sft(cfg: SFTConfig) -> SFTResult:
                 raise SFTError(f"SFTConfig.{f.name}={getattr(cfg, f.name)!r} differs from the run's "
                                f"{getattr(saved, f.name)!r}; a resumed run keeps the settings that decide what "
                                f"it computes")
+        if cfg.checkpoint is None:
+            cfg = dataclasses.replace(cfg, checkpoint=saved.checkpoint)
         start_dir = ckpt.latest_checkpoint(out)
     else:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -424,6 +427,7 @@ def sft(cfg: SFTConfig) -> SFTResult:
                 raise SFTError(f"the SFT data or tokenizer changed since {start_dir.name} (data key {key}, "
                                f"checkpoint {state['data_key']}); resuming would not continue the same run")
             ckpt.restore_rng_state(state["rng"])
+            base_dir = Path(state["base_checkpoint"])  # the pretrained checkpoint the run started from
             step, tokens, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
             _truncate_metrics(metrics_path, step)
         else:
@@ -535,19 +539,7 @@ class _SFTLoop:
 
     def balance_experts(self) -> float | None:
         """Quantile-balance every router from this step's scores; return the worst max/mean expert load."""
-        if not self.moe_layers:
-            return None
-        from k3.model.balancing import quantile_balance_bias
-
-        worst = 0.0
-        with torch.no_grad():
-            for moe in self.moe_layers:
-                counts = moe.tokens_per_expert.float()
-                worst = max(worst, float(counts.max() / counts.mean().clamp_min(1e-9)))
-                if self.cfg.balance_experts and moe.last_router_scores is not None:
-                    moe.expert_bias.copy_(quantile_balance_bias(moe.last_router_scores, moe.expert_bias, moe.top_k))
-                moe.reset_router_stats()
-        return worst
+        return balance_routers(self.moe_layers, self.cfg.balance_experts)
 
     @torch.no_grad()
     def evaluate(self, bar: _Bar) -> float:

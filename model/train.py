@@ -483,19 +483,7 @@ class _Loop:
 
     def balance_experts(self) -> float | None:
         """Quantile-balance every router from this step's scores; return the worst max/mean expert load."""
-        if not self.moe_layers:
-            return None
-        from k3.model.balancing import quantile_balance_bias
-
-        worst = 0.0
-        with torch.no_grad():
-            for moe in self.moe_layers:
-                counts = moe.tokens_per_expert.float()
-                worst = max(worst, float(counts.max() / counts.mean().clamp_min(1e-9)))
-                if self.cfg.balance_experts and moe.last_router_scores is not None:
-                    moe.expert_bias.copy_(quantile_balance_bias(moe.last_router_scores, moe.expert_bias, moe.top_k))
-                moe.reset_router_stats()
-        return worst
+        return balance_routers(self.moe_layers, self.cfg.balance_experts)
 
     @torch.no_grad()
     def evaluate(self, bar: _Bar) -> float:
@@ -755,3 +743,21 @@ def _progress(cfg: TrainConfig, start_step: int) -> Iterator[_Bar]:
     with Progress(*columns) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=start_step, loss="-", tps="-", stage="-")
         yield _Bar(progress, task)
+
+
+def balance_routers(moe_layers, update_bias: bool) -> float | None:
+    """Quantile-balance every MoE router from its last step's scores (when ``update_bias``), reset the routing
+    statistics, and return the worst max/mean expert load of that step (``None`` without MoE layers)."""
+    if not moe_layers:
+        return None
+    from k3.model.balancing import quantile_balance_bias
+
+    worst = 0.0
+    with torch.no_grad():
+        for moe in moe_layers:
+            counts = moe.tokens_per_expert.float()
+            worst = max(worst, float(counts.max() / counts.mean().clamp_min(1e-9)))
+            if update_bias and moe.last_router_scores is not None:
+                moe.expert_bias.copy_(quantile_balance_bias(moe.last_router_scores, moe.expert_bias, moe.top_k))
+            moe.reset_router_stats()
+    return worst

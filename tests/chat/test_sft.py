@@ -119,6 +119,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(base, tmp_path):
     assert first.stopped == "stop_at" and first.step == 1
     second = sft(resume_sft_config(tmp_path / "split", stop_at=None, progress=False))
     assert second.finished and second.step == 3
+    assert ckpt.read_trainer_state(second.checkpoint)["base_checkpoint"] == str(base / "checkpoint-5")
     assert second.train_losses == whole.train_losses and second.eval_losses[-1] == whole.eval_losses[-1]
     a = load_file(str(whole.checkpoint / "model.safetensors"))
     b = load_file(str(second.checkpoint / "model.safetensors"))
