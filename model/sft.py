@@ -2,9 +2,10 @@
 
 Starts from a pretraining checkpoint (``k3 train``) and trains on XTML conversations from
 ``k3.model.sft_data``, with the loss only on the assistant's tokens. One process, one device. It follows the
-pretraining loop's conventions and reuses its pieces: the checkpoint format (weights, optimizer, trainer
-state, config and tokenizer; ``latest``), ``metrics.jsonl``, ``loss.png``, Per-Head Muon under warmup +
-cosine, Quantile Balancing of the routers, Ctrl-C handling and deterministic CPU kernels.
+pretraining loop's conventions and shares its pieces (``k3.model.training_loop``): the control flow, the
+checkpoint format (weights, optimizer, trainer state, config and tokenizer; ``latest``), ``metrics.jsonl``,
+``loss.png``, Per-Head Muon under warmup + cosine, Quantile Balancing of the routers, Ctrl-C handling, the
+supervisor's hooks and deterministic CPU kernels.
 
 Design decisions:
 
@@ -27,15 +28,13 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,15 +46,20 @@ from safetensors import SafetensorError
 from k3.model import checkpoint as ckpt
 from k3.model.data import IGNORE_INDEX, tokenizer_fingerprint
 from k3.model.sft_data import DATA_FORMAT, KINDS, ConversationBank, SFTDataError, SFTExample, parse_mix
-from k3.model.train import (
-    TrainConfig,
-    _deterministic,
-    _read_metrics,
-    _StopFlag,
-    _threads,
-    _truncate_metrics,
+from k3.model.train import TrainConfig
+from k3.model.training_loop import (
+    LoopHooks,
+    ProgressBar,
+    TrainingLoop,
     balance_routers,
+    deterministic,
+    mean_eval_loss,
     plot_losses,
+    read_metrics,
+    set_lr,
+    torch_threads,
+    truncate_metrics,
+    update,
 )
 
 RUNTIME_FIELDS = frozenset({
@@ -333,7 +337,8 @@ class SFTResult:
     """Steps completed so far (equals ``steps`` when the run finished)."""
     steps: int
     stopped: str | None
-    """None when the run finished; otherwise why it stopped early: "stop_at", "time limit", "interrupted"."""
+    """None when the run finished; otherwise why it stopped early: "stop_at", "time limit", "interrupted"
+    (Ctrl-C) or "cancelled" (``LoopHooks.should_stop``)."""
     checkpoint: Path
     plot: Path
     metrics: Path
@@ -379,8 +384,11 @@ def _load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
         raise SFTError(f"checkpoint {str(checkpoint_dir)!r}: cannot read model.safetensors: {exc}") from None
 
 
-def sft(cfg: SFTConfig) -> SFTResult:
-    """Run (or resume) supervised fine-tuning as configured; see the module docstring."""
+def sft(cfg: SFTConfig, *, hooks: LoopHooks | None = None) -> SFTResult:
+    """Run (or resume) supervised fine-tuning as configured; see the module docstring.
+
+    ``hooks`` lets a supervisor follow the run and stop it (``k3.model.training_loop.LoopHooks``).
+    """
     started = time.monotonic()
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -408,7 +416,7 @@ def sft(cfg: SFTConfig) -> SFTResult:
     key = data_key(tokenizer)
     bank = ConversationBank(cfg.seed)
     device = torch.device(cfg.device)
-    with _deterministic(device), _threads(cfg.threads):
+    with deterministic(device), torch_threads(cfg.threads):
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -429,17 +437,17 @@ def sft(cfg: SFTConfig) -> SFTResult:
             ckpt.restore_rng_state(state["rng"])
             base_dir = Path(state["base_checkpoint"])  # the pretrained checkpoint the run started from
             step, tokens, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
-            _truncate_metrics(metrics_path, step)
+            truncate_metrics(metrics_path, step)
         else:
             metrics_path.touch()
-        train_hist, eval_hist = _read_metrics(metrics_path)
+        train_hist, eval_hist = read_metrics(metrics_path)
         sampler = ChatSampler(bank, tokenizer, cfg.mix, cfg.seed, cfg.batch_tokens, model_config.max_seq_len)
         fixed_eval = eval_batches(bank, tokenizer, cfg.eval_counts(), cfg.batch_tokens)
         moe_layers = [m for m in model.modules() if hasattr(m, "expert_bias") and hasattr(m, "top_k")]
         for moe in moe_layers:
             moe.record_scores = cfg.balance_experts
         loop = _SFTLoop(cfg, out, model, model_config, optimizer, base_lrs, sampler, tokenizer, fixed_eval,
-                        moe_layers, metrics_path, train_hist, eval_hist, key, base_dir)
+                        moe_layers, metrics_path, train_hist, eval_hist, key, base_dir, hooks or LoopHooks())
         stopped = loop.run(step, tokens, elapsed_before, started)
     return SFTResult(
         out_dir=out, step=loop.step, steps=cfg.steps, stopped=stopped, checkpoint=loop.last_checkpoint,
@@ -448,76 +456,39 @@ def sft(cfg: SFTConfig) -> SFTResult:
     )
 
 
-class _SFTLoop:
+class _SFTLoop(TrainingLoop):
     """The mutable state of one ``sft`` call, split out so each phase reads as one short method."""
 
+    label = "sft"
+    eval_on_early_stop = False  # SFT evaluates on its cadence and at the end, not at a planned stop
+
     def __init__(self, cfg, out, model, model_config, optimizer, base_lrs, sampler, tokenizer, fixed_eval,
-                 moe_layers, metrics_path, train_hist, eval_hist, key, base_dir) -> None:
+                 moe_layers, metrics_path, train_hist, eval_hist, key, base_dir, hooks: LoopHooks) -> None:
         self.cfg, self.out, self.model, self.model_config = cfg, out, model, model_config
         self.optimizer, self.base_lrs, self.sampler, self.tokenizer = optimizer, base_lrs, sampler, tokenizer
         self.fixed_eval, self.moe_layers, self.metrics_path = fixed_eval, moe_layers, metrics_path
         self.train_hist, self.eval_hist, self.key, self.base_dir = train_hist, eval_hist, key, base_dir
+        self.hooks = hooks
         self.schedule = cfg.schedule()
         self.device = next(model.parameters()).device
         self.step = 0
         self.tokens = 0
         self.elapsed_before = 0.0
         self.started = 0.0
-        self.last_checkpoint: Path = out
+        self.last_checkpoint: Path | None = out
         self.saved_step = -1
-
-    def elapsed(self) -> float:
-        return self.elapsed_before + time.monotonic() - self.started
-
-    def run(self, step: int, tokens: int, elapsed_before: float, started: float) -> str | None:
-        cfg = self.cfg
-        self.step, self.tokens, self.elapsed_before, self.started = step, tokens, elapsed_before, started
-        if step > 0:
-            self.saved_step = step
-            self.last_checkpoint = self.out / ckpt.checkpoint_name(step)
-        stop = _StopFlag()
-        stopped: str | None = None
-        with stop.on_sigint(), _progress(cfg, step) as bar:
-            if step == 0:
-                self.evaluate(bar)
-            while self.step < cfg.steps:
-                info = self.train_step()
-                bar.advance(info)
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                    self.evaluate(bar)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.save()
-                if cfg.stop_at is not None and self.step >= cfg.stop_at and self.step < cfg.steps:
-                    stopped = "stop_at"
-                elif cfg.max_minutes is not None and time.monotonic() - started >= cfg.max_minutes * 60:
-                    stopped = "time limit"
-                elif stop.requested:
-                    stopped = "interrupted"
-                if stopped:
-                    break
-            if stopped is None and (not self.eval_hist or self.eval_hist[-1][0] != self.step):
-                self.evaluate(bar)
-        if self.saved_step != self.step:
-            self.save()
-        self.plot()
-        return stopped
 
     def train_step(self) -> dict[str, Any]:
         cfg, model = self.cfg, self.model
         t0 = time.monotonic()
         batch = self.sampler.batch(self.step)
         factor = self.schedule.lr_factor(self.step)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * factor
+        set_lr(self.optimizer, self.base_lrs, factor)
         model.train()
         loss = self.loss(batch)
         if not torch.isfinite(loss):
             raise SFTError(f"the loss became {loss.item()} at step {self.step + 1}; lower lr (now {cfg.lr})")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        self.optimizer.step()
+        grad_norm = update(model, self.optimizer, loss, cfg.grad_clip)
         max_load = self.balance_experts()
         self.step += 1
         n = batch.input_ids.numel()
@@ -530,8 +501,14 @@ class _SFTLoop:
             "elapsed_s": self.elapsed(),
         }
         self.train_hist.append((self.step, info["loss"]))
-        self._append_metrics(info)
+        self.record(info)
         return info
+
+    def bar_fields(self, info: dict[str, Any] | None) -> dict[str, str]:
+        if info is None:
+            return {"loss": "-", "tps": "-", "convs": "-"}
+        return {"loss": f"{info['loss']:.4f}", "tps": f"{info['tokens_per_s'] or 0.0:,.0f}",
+                "convs": str(info["conversations"])}
 
     def loss(self, batch: PackedChats) -> torch.Tensor:
         return self.model.loss(batch.input_ids.to(self.device), batch.labels.to(self.device),
@@ -541,21 +518,11 @@ class _SFTLoop:
         """Quantile-balance every router from this step's scores; return the worst max/mean expert load."""
         return balance_routers(self.moe_layers, self.cfg.balance_experts)
 
-    @torch.no_grad()
-    def evaluate(self, bar: _Bar) -> float:
-        self.model.eval()
-        total, count = 0.0, 0
-        for batch in self.fixed_eval:
-            n = batch.num_targets
-            total += self.loss(batch).item() * n
-            count += n
-        for moe in self.moe_layers:
-            moe.reset_router_stats()  # eval traffic must not count as training load
-        self.model.train()
-        value = total / count
+    def evaluate(self, bar: ProgressBar) -> float:
+        value = mean_eval_loss(self.model, self.fixed_eval, self.loss, self.moe_layers)
         self.eval_hist.append((self.step, value))
-        self._append_metrics({"kind": "eval", "step": self.step, "loss": value, "tokens": self.tokens,
-                              "elapsed_s": self.elapsed()})
+        self.record({"kind": "eval", "step": self.step, "loss": value, "tokens": self.tokens,
+                     "elapsed_s": self.elapsed()})
         bar.note(f"step {self.step}: held-out assistant loss {value:.4f}")
         self.plot()
         return value
@@ -569,58 +536,12 @@ class _SFTLoop:
             "base_checkpoint": str(self.base_dir),
             "sft_config": self.cfg.to_dict(),
         }
-        self.last_checkpoint = ckpt.save_checkpoint(
+        self.saved(ckpt.save_checkpoint(
             self.out, self.step, model=self.model, optimizer=self.optimizer, model_config=self.model_config,
             tokenizer=self.tokenizer, trainer_state=trainer_state, keep_last=self.cfg.keep_last,
-        )
-        self.saved_step = self.step
+        ))
 
     def plot(self) -> None:
         base = Path(self.cfg.checkpoint).name if self.cfg.checkpoint else "?"
         plot_losses(self.out / "loss.png", self.train_hist, self.eval_hist, self.schedule, stage_marks=False,
                     title=f"k3 SFT from {base} — assistant-token loss")
-
-    def _append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-# ---- progress display ------------------------------------------------------------------------------------------
-class _Bar:
-    """A rich progress bar (or nothing, when disabled): step, assistant loss, tokens/s, conversations."""
-
-    def __init__(self, progress: Any, task: Any) -> None:
-        self.progress, self.task = progress, task
-
-    def advance(self, info: dict[str, Any]) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=info["step"], loss=f"{info['loss']:.4f}",
-                                 tps=f"{info['tokens_per_s'] or 0.0:,.0f}", convs=str(info["conversations"]))
-
-    def note(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text)
-
-
-@contextlib.contextmanager
-def _progress(cfg: SFTConfig, start_step: int) -> Iterator[_Bar]:
-    if not cfg.progress:
-        yield _Bar(None, None)
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = [
-        TextColumn("[bold]sft"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("{task.fields[convs]} chats/step"), TimeElapsedColumn(), TimeRemainingColumn(),
-    ]
-    with Progress(*columns) as progress:
-        task = progress.add_task("sft", total=cfg.steps, completed=start_step, loss="-", tps="-", convs="-")
-        yield _Bar(progress, task)

@@ -21,22 +21,19 @@ Design decisions:
 - **Eval** always uses the same windows (evenly spread over the held-out files) at ``eval_seq_len`` (default:
   the longest stage), so points of the eval curve are comparable across stages and across resumes.
 - **Ctrl-C** sets a flag that the loop checks between steps, so the checkpoint is never taken in the middle of
-  an optimizer step; a second Ctrl-C aborts at once.
-- The plot is drawn with matplotlib's object API on an Agg canvas (no pyplot global state), written atomically.
+  an optimizer step; a second Ctrl-C aborts at once. A supervisor stops a run the same way through
+  ``LoopHooks.should_stop`` and follows it through ``LoopHooks.on_event``.
+- The step/eval/save/stop control flow, the update, the progress bar, the metrics files and the plot are shared
+  with SFT in ``k3.model.training_loop``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +44,22 @@ import torch
 from k3.model import checkpoint as ckpt
 from k3.model.config import K3Config
 from k3.model.data import CorpusConfig, PackedBatch, TokenizedCorpus, WindowSampler, eval_batches, load_corpus
+from k3.model.training_loop import (
+    LoopHooks,
+    ProgressBar,
+    TrainingLoop,
+    balance_routers,
+    deterministic,
+    mean_eval_loss,
+    plot_losses,
+    read_metrics,
+    set_lr,
+    torch_threads,
+    truncate_metrics,
+    update,
+)
+
+__all__ = ["TrainConfig", "TrainError", "TrainResult", "balance_routers", "plot_losses", "resume_config", "train"]
 
 DEFAULT_STAGES: tuple[tuple[float, int], ...] = ((0.5, 128), (0.3, 256), (0.2, 512))
 """Progressive context for the small presets: half the steps at 128 tokens, then 256, then 512."""
@@ -271,7 +284,8 @@ class TrainResult:
     """Steps completed so far (equals ``steps`` when the run finished)."""
     steps: int
     stopped: str | None
-    """None when the run finished; otherwise why it stopped early: "stop_at", "time limit", "interrupted"."""
+    """None when the run finished; otherwise why it stopped early: "stop_at", "time limit", "interrupted"
+    (Ctrl-C) or "cancelled" (``LoopHooks.should_stop``)."""
     checkpoint: Path
     plot: Path
     metrics: Path
@@ -290,8 +304,11 @@ class TrainResult:
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run (or resume) pretraining as configured; see the module docstring."""
+def train(cfg: TrainConfig, *, hooks: LoopHooks | None = None) -> TrainResult:
+    """Run (or resume) pretraining as configured; see the module docstring.
+
+    ``hooks`` lets a supervisor follow the run and stop it (``k3.model.training_loop.LoopHooks``).
+    """
     started = time.monotonic()
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -324,7 +341,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     from k3.model.muon import PerHeadMuon
     from k3.model.transformer import K3Model
 
-    with _deterministic(device), _threads(cfg.threads):
+    with deterministic(device), torch_threads(cfg.threads):
         # Seeding the global generators is what makes initialisation reproducible; on resume they are
         # overwritten by the checkpoint's saved states below.
         random.seed(cfg.seed)
@@ -348,8 +365,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             sampler.load_state_dict(state["sampler"])
             ckpt.restore_rng_state(state["rng"])
             step, tokens, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
-            _truncate_metrics(metrics_path, step)
-        train_hist, eval_hist = _read_metrics(metrics_path)
+            truncate_metrics(metrics_path, step)
+        train_hist, eval_hist = read_metrics(metrics_path)
         fixed_eval = list(eval_batches(
             corpus.eval, cfg.resolved_eval_seq_len, max(1, cfg.batch_tokens // cfg.resolved_eval_seq_len),
             cfg.eval_batches,
@@ -361,7 +378,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         loop = _Loop(
             cfg=cfg, out=out, model=model, model_config=model_config, optimizer=optimizer, base_lrs=base_lrs,
             sampler=sampler, corpus=corpus, tokenizer=tokenizer, fixed_eval=fixed_eval, moe_layers=moe_layers,
-            metrics_path=metrics_path, train_hist=train_hist, eval_hist=eval_hist,
+            metrics_path=metrics_path, train_hist=train_hist, eval_hist=eval_hist, hooks=hooks or LoopHooks(),
         )
         stopped = loop.run(step, tokens, elapsed_before, started)
     return TrainResult(
@@ -380,7 +397,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 @dataclass
-class _Loop:
+class _Loop(TrainingLoop):
     """The mutable state of one ``train`` call, split out so each phase reads as one short method."""
 
     cfg: TrainConfig
@@ -397,6 +414,7 @@ class _Loop:
     metrics_path: Path
     train_hist: list[tuple[int, float]]
     eval_hist: list[tuple[int, float]]
+    hooks: LoopHooks = field(default_factory=LoopHooks)
     step: int = 0
     tokens: int = 0
     elapsed_before: float = 0.0
@@ -408,60 +426,18 @@ class _Loop:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def elapsed(self) -> float:
-        return self.elapsed_before + time.monotonic() - self.started
-
-    def run(self, step: int, tokens: int, elapsed_before: float, started: float) -> str | None:
-        cfg = self.cfg
-        self.step, self.tokens, self.elapsed_before, self.started = step, tokens, elapsed_before, started
-        if step > 0:
-            self.saved_step = step
-            self.last_checkpoint = self.out / ckpt.checkpoint_name(step)
-        stop = _StopFlag()
-        stopped: str | None = None
-        with stop.on_sigint(), _progress(cfg, step) as bar:
-            if step == 0:
-                self.evaluate(bar)
-            while self.step < cfg.steps:
-                loss, info = self.train_step()
-                bar.advance(loss, info, self.tokens)
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                    self.evaluate(bar)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.save()
-                if cfg.stop_at is not None and self.step >= cfg.stop_at and self.step < cfg.steps:
-                    stopped = "stop_at"
-                elif cfg.max_minutes is not None and time.monotonic() - started >= cfg.max_minutes * 60:
-                    stopped = "time limit"
-                elif stop.requested:
-                    stopped = "interrupted"
-                if stopped:
-                    break
-            # The end of the run (or a planned stop) gets an eval point; Ctrl-C leaves at once.
-            if stopped != "interrupted" and (not self.eval_hist or self.eval_hist[-1][0] != self.step):
-                self.evaluate(bar)
-        if self.saved_step != self.step:
-            self.save()
-        self.plot()
-        return stopped
-
-    def train_step(self) -> tuple[float, dict[str, Any]]:
+    def train_step(self) -> dict[str, Any]:
         cfg, model = self.cfg, self.model
         t0 = time.monotonic()
         stage, seq_len, rows = cfg.stage_at(self.step)
         batch = self.sampler.next_batch(self.corpus.train, rows, seq_len)
         factor = cfg.lr_factor(self.step)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = base * factor
+        set_lr(self.optimizer, self.base_lrs, factor)
         model.train()
         loss = self.loss(batch)
         if not torch.isfinite(loss):
             raise TrainError(f"the loss became {loss.item()} at step {self.step + 1}; lower lr (now {cfg.lr})")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        self.optimizer.step()
+        grad_norm = update(model, self.optimizer, loss, cfg.grad_clip)
         max_load = self.balance_experts()
         self.step += 1
         self.tokens += batch.input_ids.numel()
@@ -473,8 +449,14 @@ class _Loop:
             "elapsed_s": self.elapsed(),
         }
         self.train_hist.append((self.step, info["loss"]))
-        self._append_metrics(info)
-        return info["loss"], info
+        self.record(info)
+        return info
+
+    def bar_fields(self, info: dict[str, Any] | None) -> dict[str, str]:
+        if info is None:
+            return {"loss": "-", "tps": "-", "stage": "-"}
+        return {"loss": f"{info['loss']:.4f}", "tps": f"{info['tokens_per_s'] or 0.0:,.0f}",
+                "stage": f"{info['stage'] + 1} (ctx {info['seq_len']}x{info['rows']})"}
 
     def loss(self, batch: PackedBatch) -> torch.Tensor:
         return self.model.loss(
@@ -485,21 +467,11 @@ class _Loop:
         """Quantile-balance every router from this step's scores; return the worst max/mean expert load."""
         return balance_routers(self.moe_layers, self.cfg.balance_experts)
 
-    @torch.no_grad()
-    def evaluate(self, bar: _Bar) -> float:
-        self.model.eval()
-        total, count = 0.0, 0
-        for batch in self.fixed_eval:
-            n = batch.num_targets
-            total += self.loss(batch).item() * n
-            count += n
-        for moe in self.moe_layers:
-            moe.reset_router_stats()  # eval traffic must not count as training load
-        self.model.train()
-        value = total / count
+    def evaluate(self, bar: ProgressBar) -> float:
+        value = mean_eval_loss(self.model, self.fixed_eval, self.loss, self.moe_layers)
         self.eval_hist.append((self.step, value))
-        self._append_metrics({"kind": "eval", "step": self.step, "loss": value, "tokens": self.tokens,
-                              "elapsed_s": self.elapsed()})
+        self.record({"kind": "eval", "step": self.step, "loss": value, "tokens": self.tokens,
+                     "elapsed_s": self.elapsed()})
         bar.note(f"step {self.step}: eval loss {value:.4f}")
         self.plot()
         return value
@@ -513,18 +485,13 @@ class _Loop:
             "corpus_key": self.corpus.key,
             "train_config": self.cfg.to_dict(),
         }
-        self.last_checkpoint = ckpt.save_checkpoint(
+        self.saved(ckpt.save_checkpoint(
             self.out, self.step, model=self.model, optimizer=self.optimizer, model_config=self.model_config,
             tokenizer=self.tokenizer, trainer_state=trainer_state, keep_last=self.cfg.keep_last,
-        )
-        self.saved_step = self.step
+        ))
 
     def plot(self) -> None:
         plot_losses(self.out / "loss.png", self.train_hist, self.eval_hist, self.cfg)
-
-    def _append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 # ---- pieces ----------------------------------------------------------------------------------------------------
@@ -588,176 +555,3 @@ def _device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"TrainConfig.device is {name!r} but no CUDA device is available")
     return device
-
-
-@contextlib.contextmanager
-def _deterministic(device: torch.device) -> Iterator[None]:
-    """Deterministic kernels for the duration of training, restoring the caller's setting afterwards."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    # On the CPU every op used has a deterministic path; on GPUs some (index_add_) do not, so only warn there.
-    torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
-@contextlib.contextmanager
-def _threads(count: int | None) -> Iterator[None]:
-    """``torch.set_num_threads(count)`` for the duration of training (None: leave it alone)."""
-    previous = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-class _StopFlag:
-    """Turns the first Ctrl-C into a request to stop after the current step; a second one aborts."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    @contextlib.contextmanager
-    def on_sigint(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
-            return
-        previous = signal.signal(signal.SIGINT, self._handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-
-def _read_metrics(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    train_hist, eval_hist = [], []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            (train_hist if record["kind"] == "train" else eval_hist).append((record["step"], record["loss"]))
-    return train_hist, eval_hist
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records written after the checkpoint being resumed (a run killed without saving leaves some)."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def plot_losses(path: Path, train_hist: list[tuple[int, float]], eval_hist: list[tuple[int, float]],
-                cfg: TrainConfig, *, title: str | None = None, stage_marks: bool = True) -> None:
-    """Train (raw and smoothed) and eval loss against step, with the context stage boundaries marked.
-
-    ``title`` replaces the pretraining title and ``stage_marks=False`` leaves the stages out, for other loops
-    (SFT) that draw their curves the same way.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    if train_hist:
-        steps, losses = zip(*train_hist, strict=True)
-        ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train")
-        # Bias-corrected EMA (as in Adam): starting from 0 and dividing by 1 - 0.9^t follows the early drop
-        # instead of lagging behind the first, untrained value.
-        smooth, ema = [], 0.0
-        for t, value in enumerate(losses, start=1):
-            ema = 0.9 * ema + 0.1 * value
-            smooth.append(ema / (1 - 0.9**t))
-        ax.plot(steps, smooth, color="tab:blue", linewidth=1.5, label="train (EMA 0.9)")
-    if eval_hist:
-        steps, losses = zip(*eval_hist, strict=True)
-        ax.plot(steps, losses, color="tab:red", marker="o", markersize=3, linewidth=1.5, label="eval (held out)")
-    bounds = cfg.stage_bounds()
-    for end, (_, seq_len) in zip([0, *bounds[:-1]], cfg.stages, strict=True):
-        if not stage_marks:
-            break
-        ax.axvline(end, color="gray", linestyle=":", linewidth=0.8)
-        ax.annotate(f"ctx {seq_len}", (end, 0.0), xycoords=("data", "axes fraction"), fontsize=8,
-                    color="gray", xytext=(3, 4), textcoords="offset points")
-    ax.set_xlim(0, cfg.steps)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title if title is not None else f"k3 pretraining — preset {cfg.preset}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
-
-
-# ---- progress display ------------------------------------------------------------------------------------------
-class _Bar:
-    """A rich progress bar (or nothing, when disabled) showing step, loss, tokens/s and context stage."""
-
-    def __init__(self, progress: Any, task: Any) -> None:
-        self.progress, self.task = progress, task
-
-    def advance(self, loss: float, info: dict[str, Any], tokens: int) -> None:
-        if self.progress is not None:
-            tps = info["tokens_per_s"] or 0.0
-            self.progress.update(self.task, completed=info["step"], loss=f"{loss:.4f}", tps=f"{tps:,.0f}",
-                                 stage=f"{info['stage'] + 1} (ctx {info['seq_len']}x{info['rows']})")
-
-    def note(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text)
-
-
-@contextlib.contextmanager
-def _progress(cfg: TrainConfig, start_step: int) -> Iterator[_Bar]:
-    if not cfg.progress:
-        yield _Bar(None, None)
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = [
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("stage {task.fields[stage]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-    ]
-    with Progress(*columns) as progress:
-        task = progress.add_task("train", total=cfg.steps, completed=start_step, loss="-", tps="-", stage="-")
-        yield _Bar(progress, task)
-
-
-def balance_routers(moe_layers, update_bias: bool) -> float | None:
-    """Quantile-balance every MoE router from its last step's scores (when ``update_bias``), reset the routing
-    statistics, and return the worst max/mean expert load of that step (``None`` without MoE layers)."""
-    if not moe_layers:
-        return None
-    from k3.model.balancing import quantile_balance_bias
-
-    worst = 0.0
-    with torch.no_grad():
-        for moe in moe_layers:
-            counts = moe.tokens_per_expert.float()
-            worst = max(worst, float(counts.max() / counts.mean().clamp_min(1e-9)))
-            if update_bias and moe.last_router_scores is not None:
-                moe.expert_bias.copy_(quantile_balance_bias(moe.last_router_scores, moe.expert_bias, moe.top_k))
-            moe.reset_router_stats()
-    return worst
