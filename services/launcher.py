@@ -19,6 +19,16 @@ gives each a config file of its own. Design decisions:
   and drains its streams while the workers still serve them), then to the other children; whoever is still
   running ``stop_grace`` seconds after its SIGTERM is killed. Children run in their own session, so a terminal's Ctrl-C reaches only the launcher, which
   then stops them in that order. If a child dies on its own, ``run`` reports it and stops the rest.
+- **Expert pools.** With ``expert_pools = N`` (``k3 up --expert-pools N``), N ``k3 serve experts --shard i/N``
+  processes start after the cache, and the launcher writes their addresses to the *pool set file*
+  (``k3.services.experts.pool_set``; ``expert_pool_file`` or one in the launcher's temporary folder). Prefill
+  and decode get ``model.expert_pools_file`` pointing at it, so their MoE layers call the pools through one
+  ``ExpertPoolClient`` that follows the file. The pool set is changed at runtime by editing that file (``k3
+  experts pools --file F --add ADDR --remove ADDR``): workers pick up the change within
+  ``model.expert_pool_client.watch_interval_s``. A pool the launcher started that leaves the set keeps
+  serving for ``pool_drain_s`` (in-flight calls finish, the workers stop sending) and is then stopped. A pool
+  that dies is reported but stops nothing: the workers retry its work on the other pools (requests that no
+  pool can serve fail alone, with UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -43,6 +53,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICES = ("cache", "prefill", "decode", "router")
+EXPERTS = "experts"
+"""The config section every expert pool starts from (``server``, ``load_window_s``, ...; not ``model``/``shard``)."""
+SECTIONS = (*SERVICES, EXPERTS)
+UP_KEYS = {"startup_timeout", "stop_grace", "host", "router_port", "expert_pools", "expert_pool_file", "pool_drain_s"}
 ANNOUNCE = re.compile(r"^k3 serve: (\S+) listening on (\S+)\s*$")
 MODEL_SERVICES = ("prefill", "decode")
 
@@ -56,7 +70,8 @@ class LaunchConfig:
     """What ``k3 up`` starts and how."""
 
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per-service config sections (``cache``, ``prefill``, ``decode``, ``router``) from the user's file."""
+    """Per-service config sections (``cache``, ``prefill``, ``decode``, ``router``, ``experts``) from the user's
+    file."""
     checkpoint: str | None = None
     """Trained checkpoint or run folder served by every model service (overrides the file)."""
     preset: str | None = None
@@ -69,11 +84,21 @@ class LaunchConfig:
     """Seconds one service may take to become healthy (loading a model included)."""
     stop_grace: float = 20.0
     """Seconds the children get after SIGTERM before they are killed."""
+    expert_pools: int = 0
+    """Expert pools to start (shards 0/N .. N-1/N); 0: prefill and decode compute the experts themselves."""
+    expert_pool_file: str | None = None
+    """Where the pool set file is written (default: the launcher's temporary folder); the file to edit to add or
+    remove pools while serving."""
+    pool_drain_s: float = 3.0
+    """Seconds a started pool that left the pool set keeps serving before it is stopped."""
 
     def __post_init__(self) -> None:
         from k3.services.common.config import ConfigError
 
-        for name in ("startup_timeout", "stop_grace"):
+        pools = self.expert_pools
+        if isinstance(pools, bool) or not isinstance(pools, int) or pools < 0:
+            raise ConfigError(f"must be an integer >= 0, got {pools!r}", field="up.expert_pools")
+        for name in ("startup_timeout", "stop_grace", "pool_drain_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"must be a number > 0, got {value!r}", field=f"up.{name}")
@@ -89,20 +114,20 @@ class LaunchConfig:
         from k3.services.common.config import ConfigError, read_config_file
 
         data = read_config_file(path) if path is not None else {}
-        unknown = sorted(set(data) - {*SERVICES, "up"})
+        unknown = sorted(set(data) - {*SECTIONS, "up"})
         if unknown:
-            raise ConfigError(f"unknown section(s) {', '.join(unknown)} (known: up, {', '.join(SERVICES)})",
+            raise ConfigError(f"unknown section(s) {', '.join(unknown)} (known: up, {', '.join(SECTIONS)})",
                               source=str(path))
         for name, section in data.items():
             if not isinstance(section, dict):
                 raise ConfigError(f"must be a mapping, got {type(section).__name__}", field=name, source=str(path))
         up = dict(data.get("up", {}))
-        known_up = {"startup_timeout", "stop_grace", "host", "router_port"}
+        known_up = UP_KEYS
         if set(up) - known_up:
             raise ConfigError(f"unknown key(s) {', '.join(sorted(set(up) - known_up))} (known: "
                               f"{', '.join(sorted(known_up))})", field="up", source=str(path))
         fields = {**up, **{k: v for k, v in overrides.items() if v is not None}}
-        services = {name: data.get(name, {}) for name in SERVICES}
+        services = {name: data.get(name, {}) for name in SECTIONS}
         return cls(services=services, **fields)
 
 
@@ -148,7 +173,11 @@ def service_config(name: str, config: LaunchConfig, addresses: dict[str, str]) -
     section = copy.deepcopy(config.services.get(name, {}))
     if name in MODEL_SERVICES:
         section.pop("model", None)
-        return deep_merge(section, {"cache_address": addresses["cache"], "model": worker_model(name, config)})
+        model = worker_model(name, config)
+        if "expert_pools_file" in addresses:  # the launcher's pools replace any the file names
+            model.pop("expert_pools", None)
+            model["expert_pools_file"] = addresses["expert_pools_file"]
+        return deep_merge(section, {"cache_address": addresses["cache"], "model": model})
     if name == "router":
         model = worker_model("prefill", config)
         router_model = {k: model[k] for k in ("checkpoint", "preset", "tokenizer") if k in model}
@@ -162,11 +191,28 @@ def service_config(name: str, config: LaunchConfig, addresses: dict[str, str]) -
     return section
 
 
+def pool_config(config: LaunchConfig, index: int, count: int) -> dict[str, Any]:
+    """The config file contents of expert pool ``index`` of ``count``: the ``experts`` section with the model
+    of the workers (weights only: no tokenizer, no pools) and the shard. A fixed ``server.metrics_port`` P
+    becomes P + index, so that every pool has its own scrape endpoint."""
+    section = copy.deepcopy(config.services.get(EXPERTS, {}))
+    section.pop("shard", None)
+    section.pop("model", None)
+    model = {k: v for k, v in worker_model("prefill", config).items()
+             if k not in ("tokenizer", "expert_pools", "expert_pools_file", "expert_pool_client")}
+    server = section.get("server")
+    if isinstance(server, dict) and server.get("metrics_port"):
+        server["metrics_port"] = int(server["metrics_port"]) + index
+    return deep_merge(section, {"model": model, "shard": f"{index}/{count}"})
+
+
 class Child:
     """One ``k3 serve`` process and the thread copying its output."""
 
-    def __init__(self, name: str, args: list[str], emit: Callable[[str], None]):
+    def __init__(self, name: str, args: list[str], emit: Callable[[str], None], label: str | None = None):
         self.name = name
+        self.label = label or name
+        """How its log lines are prefixed (several expert pools share the name ``experts``)."""
         self.address: str | None = None
         self.announced = threading.Event()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -186,7 +232,7 @@ class Child:
             if match and match.group(1) == self.name:
                 self.address = match.group(2)
                 self.announced.set()
-            self._emit(f"{self.name:<8}| {line}")
+            self._emit(f"{self.label:<8}| {line}")
         self.announced.set()  # end of output: wake a waiter (it then sees the exit)
 
     def join_output(self, timeout: float) -> None:
@@ -222,7 +268,13 @@ class Launcher:
         self.stop_requested = stop_requested or threading.Event()
         self.children: list[Child] = []
         self.addresses: dict[str, str] = {}
+        self.pools: list[Child] = []
+        """Expert pools started by the launcher (also in ``children``) that have not exited."""
         self._workdir = Path(tempfile.mkdtemp(prefix="k3-up-"))
+        self.pool_file: Path | None = None
+        self._retiring: dict[Child, float] = {}  # pool -> when to stop it (left the pool set)
+        self._stopping: dict[Child, float] = {}  # pool -> when to kill it (SIGTERM sent)
+        self._pool_file_error = ""
 
     def emit(self, line: str) -> None:
         with self._lock:
@@ -239,6 +291,33 @@ class Launcher:
         self.children.append(child)
         self.emit(f"k3 up: started {name} (pid {child.proc.pid})")
         return child
+
+    def spawn_pool(self, index: int, count: int) -> Child:
+        """Start ``k3 serve experts`` for shard ``index``/``count`` (model as the workers')."""
+        label = f"{EXPERTS}{index}"
+        path = self._workdir / f"{label}-{len(self.children)}.json"
+        path.write_text(json.dumps(pool_config(self.config, index, count), indent=2))
+        args = [sys.executable, "-m", "k3", "serve", EXPERTS, "--config", str(path), "--host", self.config.host,
+                "--port", "0"]
+        child = Child(EXPERTS, args, self.emit, label=label)
+        self.children.append(child)
+        self.pools.append(child)
+        self.emit(f"k3 up: started {label} (shard {index}/{count}, pid {child.proc.pid})")
+        return child
+
+    def start_pools(self) -> None:
+        """Start the configured expert pools, wait until all are healthy, write the pool set file."""
+        from k3.services.experts.pool_set import write_pool_set
+
+        count = self.config.expert_pools
+        pools = [self.spawn_pool(i, count) for i in range(count)]
+        for child in pools:
+            self.await_ready(child)
+        self.pool_file = Path(self.config.expert_pool_file or self._workdir / "expert-pools.json").resolve()
+        write_pool_set(self.pool_file, [child.address for child in pools])
+        self.addresses["expert_pools_file"] = str(self.pool_file)
+        self.emit(f"k3 up: expert pool set in {self.pool_file} (change it with: k3 experts pools --file "
+                  f"{self.pool_file} --add HOST:PORT --remove HOST:PORT)")
 
     def await_ready(self, child: Child) -> None:
         """Wait until ``child`` announced its address and is healthy; ``LaunchError`` otherwise."""
@@ -257,13 +336,16 @@ class Launcher:
             if self.stop_requested.is_set():
                 raise LaunchError("interrupted during start-up") from None
             raise LaunchError(f"{child.name} {exc}") from None
-        self.addresses[child.name] = child.address
-        self.emit(f"k3 up: {child.name} ready on {child.address}")
+        if child.name != EXPERTS:
+            self.addresses[child.name] = child.address
+        self.emit(f"k3 up: {child.label} ready on {child.address}")
 
     def start(self) -> str:
         """Start every service in dependency order; returns the router address. Stops all on failure."""
         try:
             self.await_ready(self.spawn("cache"))
+            if self.config.expert_pools:
+                self.start_pools()
             workers = [self.spawn("prefill"), self.spawn("decode")]
             for child in workers:
                 self.await_ready(child)
@@ -275,18 +357,69 @@ class Launcher:
 
     def run(self) -> int:
         """Watch the children until a stop is requested (0) or one of them dies (1); then stop all."""
+        next_read = 0.0
         try:
             while not self.stop_requested.wait(0.2):
-                for child in self.children:
+                for child in list(self.children):
                     status = child.proc.poll()
-                    if status is not None:
-                        child.join_output(2.0)
+                    if status is None:
+                        continue
+                    child.join_output(2.0)
+                    if child not in self.pools:
                         self.emit(f"k3 up: {child.name} exited with status {status}; stopping the other services")
                         return 1
+                    self._pool_exited(child, status)
+                if self.pool_file is not None and time.monotonic() >= next_read:
+                    next_read = time.monotonic() + 1.0
+                    self._follow_pool_set()
+                self._stop_retired_pools()
             self.emit("k3 up: stopping")
             return 0
         finally:
             self.stop()
+
+    def _pool_exited(self, child: Child, status: int) -> None:
+        self.children.remove(child)
+        self.pools.remove(child)
+        if self._retiring.pop(child, None) is not None or self._stopping.pop(child, None) is not None:
+            self.emit(f"k3 up: {child.label} ({child.address}) stopped after leaving the pool set")
+        else:
+            self.emit(f"k3 up: {child.label} ({child.address}) exited with status {status}; the workers retry its "
+                      "work on the other pools")
+
+    def _follow_pool_set(self) -> None:
+        """Schedule the stop of every started pool no longer in the pool set file (after ``pool_drain_s``)."""
+        from k3.services.experts.pool_set import PoolSetError, read_pool_set
+
+        try:
+            wanted = set(read_pool_set(self.pool_file))
+        except PoolSetError as exc:
+            if str(exc) != self._pool_file_error:
+                self.emit(f"k3 up: {exc}; the pool set is unchanged")
+            self._pool_file_error = str(exc)
+            return
+        self._pool_file_error = ""
+        for child in self.pools:
+            if child.address not in wanted and child not in self._retiring and child not in self._stopping:
+                self.emit(f"k3 up: {child.label} ({child.address}) left the pool set; stopping it in "
+                          f"{self.config.pool_drain_s:g}s")
+                self._retiring[child] = time.monotonic() + self.config.pool_drain_s
+            elif child.address in wanted and child in self._retiring:  # put back before its stop
+                del self._retiring[child]
+                self.emit(f"k3 up: {child.label} ({child.address}) is back in the pool set")
+
+    def _stop_retired_pools(self) -> None:
+        now = time.monotonic()
+        for child, when in list(self._retiring.items()):
+            if now >= when:
+                del self._retiring[child]
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+                self._stopping[child] = now + self.config.stop_grace
+        for child, when in list(self._stopping.items()):
+            if now >= when and child.proc.poll() is None:
+                self.emit(f"k3 up: {child.label} did not stop within {self.config.stop_grace:g}s; killing it")
+                child.proc.kill()
 
     def stop(self) -> None:
         """Stop the router, then the other children (SIGTERM, kill after ``stop_grace``); idempotent."""
@@ -295,6 +428,7 @@ class Launcher:
         for group in (router, others):
             self._terminate(group)
         self.children.clear()
+        self.pools.clear()
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _terminate(self, children: list[Child]) -> None:
@@ -306,7 +440,7 @@ class Launcher:
             try:
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.emit(f"k3 up: {child.name} did not stop within {self.config.stop_grace:g}s; killing it")
+                self.emit(f"k3 up: {child.label} did not stop within {self.config.stop_grace:g}s; killing it")
                 child.proc.kill()
                 child.proc.wait()
             child.join_output(2.0)

@@ -2,12 +2,17 @@
 
     k3 up --checkpoint runs/demo          # a trained model
     k3 up --preset tiny                   # a preset with random weights (tests, smoke runs)
-    k3 up --config k3-up.yaml             # sections cache/prefill/decode/router (+ up) with any settings
+    k3 up --config k3-up.yaml             # sections cache/prefill/decode/router/experts (+ up) with any settings
+    k3 up --preset tiny --expert-pools 2  # routed experts on 2 expert pools (k3 serve experts --shard i/2)
 
 The logs of all services appear in one stream, each line prefixed with the service's name. Once every
 service is healthy, one line ``k3 up: router listening on HOST:PORT`` says where clients connect (``k3 chat
 --router HOST:PORT``). Ctrl-C or SIGTERM stops everything cleanly (exit status 0); if a service dies,
 the others are stopped and the exit status is 1. See ``k3.services.launcher`` for the details.
+
+``--expert-pools N`` starts N expert pools and points prefill and decode at them through a pool set file
+(printed at start); ``k3 experts pools --file FILE --add HOST:PORT --remove HOST:PORT`` changes the pool set
+while the platform serves (see ``k3.services.launcher``).
 
 ``--observe`` also starts a local Prometheus (``k3.services.observe``) scraping every service's metrics
 port and prints its URL and what to open there.
@@ -29,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, help="router port (default 50051; 0 = any free port)")
     parser.add_argument("--startup-timeout", type=float, help="seconds each service may take to start")
     parser.add_argument("--stop-grace", type=float, help="seconds to wait after SIGTERM before killing")
+    parser.add_argument("--expert-pools", type=int, metavar="N",
+                        help="start N expert pools (shards 0/N..N-1/N) computing the routed experts (default 0)")
+    parser.add_argument("--expert-pool-file", metavar="FILE",
+                        help="where to write the pool set file that workers follow (default: a temporary folder)")
     parser.add_argument("--observe", action="store_true",
                         help="also run a local Prometheus scraping every service (Debian package prometheus)")
     parser.add_argument("--prometheus-port", type=int, default=9090,
@@ -44,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = LaunchConfig.from_file(
             args.config, checkpoint=args.checkpoint, preset=args.preset, host=args.host, router_port=args.port,
-            startup_timeout=args.startup_timeout, stop_grace=args.stop_grace,
+            startup_timeout=args.startup_timeout, stop_grace=args.stop_grace, expert_pools=args.expert_pools,
+            expert_pool_file=args.expert_pool_file,
         )
         has_model = model_section(config) is not None or "model" in config.services.get("prefill", {})
     except (ConfigError, LaunchError) as exc:

@@ -46,11 +46,12 @@ from torch import Tensor
 
 from k3.model.state import SequenceState
 from k3.services.common.config import ConfigError
-from k3.services.common.errors import FailedPrecondition, InvalidArgument
+from k3.services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from k3.services.engine.config import EngineConfig
 from k3.services.engine.detokenize import TextStream, Tokenizer
 from k3.services.engine.errors import (
     AlreadyExists,
+    ComputeUnavailable,
     EngineClosed,
     PagesExhausted,
     QueueFull,
@@ -444,7 +445,11 @@ class Engine:
 
     def _step(self) -> None:
         if self._prefilling:
-            self._prefill_chunk(self._prefilling[0])
+            seq = self._prefilling[0]
+            try:
+                self._prefill_chunk(seq)
+            except Unavailable as exc:  # a remote part of the model (expert pools) failed: this request only
+                self._fail_step([seq], exc)
         while self._first_sample:
             seq = self._first_sample.pop(0)
             logits, seq.pending_logits = seq.pending_logits, None
@@ -452,7 +457,30 @@ class Engine:
                 self._sample(seq, logits)
         batch = [s for s in self._decoding if s.next_token is not None][: self.config.max_batch]
         if batch:
-            self._decode(batch)
+            try:
+                self._decode(batch)
+            except Unavailable as exc:
+                self._fail_step(batch, exc)
+
+    def _fail_step(self, seqs: list[_Sequence], exc: Unavailable) -> None:
+        """End the requests whose step could not be computed (``UNAVAILABLE`` from the model: its routed
+        experts run on expert pools, and no pool could serve them within the client's deadlines and retries).
+
+        Only these requests fail -- they shared the failed MoE calls; queued, parked and other running requests
+        are untouched and the scheduler keeps going, so the engine serves again as soon as a pool does. Their
+        slots and pages may hold a half-updated state, which is why they are released, not retried. A request
+        that already sent its last token (absorbing its final state) keeps its answer and only loses the
+        end-of-turn checkpoint.
+        """
+        log.warning("step %d failed for request(s) %s: %s", self._steps, ", ".join(s.request_id for s in seqs), exc)
+        error = ComputeUnavailable(f"the model could not compute this request's step: {exc.message}")
+        with self._lock:
+            for seq in seqs:
+                if seq.stream is not None and not seq.finished:
+                    seq.stream._fail(error)
+                    self.metrics.add_finished("error")
+                self._release(seq)
+
 
     def _state_of(self, seq: _Sequence) -> SequenceState:
         return SequenceState(self._config_hash, seq.num_tokens, kda=self.slots.views(seq.slot),

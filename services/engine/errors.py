@@ -54,3 +54,10 @@ class EngineClosed(Unavailable):
     """The engine was closed, or its scheduler died; no request can run on it any more."""
 
     reason = "ENGINE_CLOSED"
+
+
+class ComputeUnavailable(Unavailable):
+    """A step of this request needed a part of the model computed elsewhere (its routed experts, on expert pools)
+    and no replica could serve it in time. Only the requests of that step fail; the engine keeps serving."""
+
+    reason = "COMPUTE_UNAVAILABLE"

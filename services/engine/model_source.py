@@ -8,7 +8,9 @@ bit-identical weights, which is what lets a prefill and a decode worker share st
 
 With ``expert_pools`` set, every MoE layer computes its routed experts on those expert pools
 (``k3 serve experts``) through one ``ExpertPoolClient`` (``model.expert_pool_client``) instead of locally;
-the pools must serve the same model (checkpoint, or preset and seed).
+the pools must serve the same model (checkpoint, or preset and seed). With ``expert_pools_file`` instead, the
+pool set is read from that file and followed while serving (``k3.services.experts.pool_set``: an edit adds or
+removes pools at runtime, no restart). ``expert_pool_client`` holds the client's deadlines and retries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from k3.services.common.config import ConfigError, documented
+from k3.services.experts.client import PoolClientConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,6 +48,14 @@ class ModelSourceConfig:
         default_factory=list,
         doc="host:port of expert pools (k3 serve experts) computing the routed experts; empty = local experts.",
     )
+    expert_pools_file: str | None = documented(
+        None, doc="JSON file {\"pools\": [host:port, ...]} naming the expert pools, watched for changes while "
+        "serving (k3 up writes it; k3 experts pools edits it); exclusive with expert_pools.",
+    )
+    expert_pool_client: PoolClientConfig = documented(
+        default_factory=PoolClientConfig,
+        doc="Deadlines, retries, replanning and file-watch interval of the expert pool client.",
+    )
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.preset is not None:
@@ -61,6 +72,8 @@ class ModelSourceConfig:
         for i, address in enumerate(self.expert_pools):
             if not address.strip():
                 raise ConfigError("must not be blank", field=f"expert_pools[{i}]")
+        if self.expert_pools and self.expert_pools_file is not None:
+            raise ConfigError("set either expert_pools or expert_pools_file, not both", field="expert_pools_file")
 
     def load(self) -> tuple[Any, Any]:
         """``(model in eval mode, tokenizer or None)``; ``ValueError`` if no model is configured."""
@@ -84,10 +97,10 @@ class ModelSourceConfig:
         if self.tokenizer is not None:
             tokenizer = load_tokenizer(self.tokenizer)
         model = model.to(dtype).eval()
-        if self.expert_pools:
+        if self.expert_pools or self.expert_pools_file is not None:
             from k3.services.experts.client import attach_pools
 
-            attach_pools(model, self.expert_pools)
+            attach_pools(model, self.expert_pools, self.expert_pool_client, pool_file=self.expert_pools_file)
         return model, tokenizer
 
 

@@ -9,7 +9,8 @@ Design decisions:
 - The iterator ends only once the engine is completely done with the request, including handing over its
   final state (see ``Engine.submit``'s ``on_final_state``), so "the stream ended" means "nothing of this
   request is still running".
-- If the engine dies, every open stream raises ``EngineClosed`` instead of hanging.
+- If the engine dies, every open stream raises ``EngineClosed`` instead of hanging. A request whose step could
+  not be computed (expert pools unavailable) raises ``ComputeUnavailable`` while the engine goes on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from k3.services.engine.errors import EngineClosed
+from k3.services.engine.errors import ComputeUnavailable, EngineClosed
 
 
 @dataclass
@@ -98,6 +99,9 @@ class RequestStream:
         if item is _END:
             self._done = True
             raise StopIteration
+        if isinstance(item, ComputeUnavailable):  # this request failed, the engine did not
+            self._done = True
+            raise item
         if isinstance(item, Exception):
             self._done = True
             raise EngineClosed(f"request {self.request_id!r} could not finish: {item}") from item

@@ -18,7 +18,8 @@ job, dispatch and combine as ``all_to_all`` collectives -- is ``k3.model.expert_
 
 Pool membership and failures:
 
-- ``set_pools(addresses)`` may run while traffic flows. New pools are probed (``PoolStats``) and join when
+- ``set_pools(addresses)`` may run while traffic flows; with a ``pool_file`` (``pool_set``), a thread reads the
+  file every ``watch_interval_s`` and applies a changed list the same way. New pools are probed (``PoolStats``) and join when
   they answer; an unreachable one is kept *down* and probed again at the next replan. A removed pool takes no
   new work; calls already sent to it finish on its channel, which is closed once the last one returns (if the
   pool itself goes away first, those calls fail and are retried like any other failure).
@@ -53,9 +54,10 @@ from k3.protos.v1 import experts_pb2, experts_pb2_grpc
 from k3.services.common import tensors
 from k3.services.common.client import error_detail, make_channel
 from k3.services.common.config import ConfigError, ServerConfig, documented
-from k3.services.common.errors import Internal, Unavailable
+from k3.services.common.errors import Internal, InvalidArgument, Unavailable
 from k3.services.common.telemetry import Telemetry
 from k3.services.experts.placement import LayerPlacement, adopters, home_experts, plan_placement
+from k3.services.experts.pool_set import PoolSetError, read_pool_set
 from k3.services.experts.stats import imbalance
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,11 @@ class PoolClientConfig:
     replan_interval_s: float = documented(
         5.0, doc="Seconds between MoonEP placements from the observed load; 0 = only on replan().")
     max_attempts: int = documented(4, doc="Rounds of retries of one layer call before it fails.")
+    watch_interval_s: float = documented(
+        1.0, doc="Seconds between reads of the pool set file (model.expert_pools_file), when there is one.")
 
     def __post_init__(self) -> None:
-        for name in ("call_timeout_s", "probe_timeout_s", "replicate_timeout_s"):
+        for name in ("call_timeout_s", "probe_timeout_s", "replicate_timeout_s", "watch_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
         if not self.replan_interval_s >= 0:
@@ -116,7 +120,7 @@ class ExpertPoolClient:
 
     def __init__(self, addresses: Sequence[str], config: PoolClientConfig | None = None, *,
                  config_hash: str | None = None, server_config: ServerConfig | None = None,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, pool_file: str | None = None):
         self.config = config or PoolClientConfig()
         self._config_hash = config_hash
         self._server_config = server_config
@@ -146,6 +150,30 @@ class ExpertPoolClient:
         ):
             meter.create_observable_gauge(name, callbacks=[callback], description=doc)
         self.set_pools(addresses)
+        self._pool_file = pool_file
+        self._applied = list(dict.fromkeys(addresses))
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if pool_file is not None:
+            self._watcher = threading.Thread(target=self._watch, name="k3-expert-pool-set", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        """Apply the pool set file's changes until closed; a bad file or a refused pool keeps the current set."""
+        last_error = ""
+        while not self._watch_stop.wait(self.config.watch_interval_s):
+            try:
+                addresses = read_pool_set(self._pool_file)
+                if addresses != self._applied:
+                    self.set_pools(addresses)
+                    self._applied = addresses
+                last_error = ""
+            except (PoolSetError, ValueError) as exc:
+                if str(exc) != last_error:  # once per distinct problem, not every interval
+                    log.error("pool set file %s not applied: %s", self._pool_file, exc)
+                last_error = str(exc)
+            except RuntimeError:  # closed meanwhile
+                return
 
     # -- membership ------------------------------------------------------------------------------------------
     def set_pools(self, addresses: Sequence[str]) -> None:
@@ -353,6 +381,7 @@ class ExpertPoolClient:
     def compute(self, moe, z: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The ``routed_compute`` hook of ``LatentMoE`` (inference only): u [N, latent] fp32."""
         layer, num_experts, top_k = moe.layer_idx, moe.num_experts, moe.top_k
+        self._check_routing(layer, num_experts, top_k, z, ids, weights)
         self._maybe_replan()
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
@@ -369,6 +398,18 @@ class ExpertPoolClient:
                              out[start:start + count].float() * weight_of[start:start + count, None])
                 start += count
         return u
+
+    @staticmethod
+    def _check_routing(layer: int, num_experts: int, top_k: int, z: Tensor, ids: Tensor, weights: Tensor) -> None:
+        """A routing that cannot be split over the pools is refused before anything is sent."""
+        if z.dim() != 2 or tuple(ids.shape) != (z.shape[0], top_k) or tuple(weights.shape) != tuple(ids.shape):
+            raise InvalidArgument("ids", f"layer {layer}: latents {list(z.shape)}, expert ids {list(ids.shape)} and "
+                                  f"weights {list(weights.shape)} must be [N, latent], [N, {top_k}], [N, {top_k}]",
+                                  reason="BAD_SHAPE")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise InvalidArgument("ids", f"layer {layer} routes to expert {bad}, which does not exist (the layer "
+                                  f"has {num_experts} experts)", reason="UNKNOWN_EXPERT")
 
     def _run(self, layer: int, num_experts: int, counts: list[int], rows: Tensor) -> Tensor:
         """Outputs of every entry row (sorted by expert), computed on the pools."""
@@ -556,7 +597,10 @@ class ExpertPoolClient:
         yield Observation(value)
 
     def close(self) -> None:
-        """Close every channel (calls still running on them fail)."""
+        """Stop watching the pool set file and close every channel (calls still running on them fail)."""
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.config.probe_timeout_s + 1)
         with self._lock:
             self._closed = True
             pools, self._pools = list(self._pools.values()), {}
@@ -565,13 +609,17 @@ class ExpertPoolClient:
 
 
 def attach_pools(model, addresses: Sequence[str], config: PoolClientConfig | None = None, *,
-                 server_config: ServerConfig | None = None, telemetry: Telemetry | None = None) -> ExpertPoolClient:
-    """Route every MoE layer of ``model`` (a ``K3Model``) through one client of ``addresses``; the client is
-    also kept as ``model.expert_pool_client``. Undo with :func:`detach_pools`."""
+                 server_config: ServerConfig | None = None, telemetry: Telemetry | None = None,
+                 pool_file: str | None = None) -> ExpertPoolClient:
+    """Route every MoE layer of ``model`` (a ``K3Model``) through one client of ``addresses`` (or of the pools
+    listed in ``pool_file``, followed as it changes); the client is also kept as ``model.expert_pool_client``.
+    Undo with :func:`detach_pools`."""
     from k3.model.moe import LatentMoE
 
+    if pool_file is not None:
+        addresses = read_pool_set(pool_file)
     client = ExpertPoolClient(addresses, config, config_hash=model.cfg.config_hash(),
-                              server_config=server_config, telemetry=telemetry)
+                              server_config=server_config, telemetry=telemetry, pool_file=pool_file)
     for module in model.modules():
         if isinstance(module, LatentMoE):
             module.routed_compute = client.compute

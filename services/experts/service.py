@@ -19,8 +19,11 @@ Design decisions:
 
 - Weights live in a dict keyed by (layer, expert) under a lock; Compute takes references under the lock and
   computes outside it, so a replica dropped mid-call only goes away after that call.
-- Telemetry: OpenTelemetry counters of rows and requests, and gauges of replicas and imbalance, from the
-  process's ``Telemetry`` (no-op unless an OTLP endpoint or test reader is configured).
+- Telemetry: OpenTelemetry counters of rows and requests, and gauges of replicas, imbalance and load, from the
+  process's ``Telemetry`` (no-op unless an OTLP endpoint, ``server.metrics_port`` or a test reader is
+  configured). The load gauge ``k3.expert_pool.load`` (Prometheus ``k3_expert_pool_load``) is the average
+  number of Compute calls in progress over ``load_window_s`` (``stats.BusyMeter``): the metric the expert
+  pools' HPAs in ``charts/k3`` scale on.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from k3.services.common.errors import FailedPrecondition, InvalidArgument
 from k3.services.common.telemetry import Telemetry, setup_telemetry
 from k3.services.engine.model_source import ModelSourceConfig
 from k3.services.experts.placement import home_experts, parse_shard
-from k3.services.experts.stats import imbalance
+from k3.services.experts.stats import BusyMeter, imbalance
 from k3.services.experts.weights import ExpertKey, ExpertWeights
 from k3.services.registry import ServiceSpec
 
@@ -62,14 +65,18 @@ class ExpertsServiceConfig:
     )
     shard: str = documented("0/1", doc="i/n: host the experts homed on shard i of n (E/n contiguous ids).")
     fetch_timeout_s: float = documented(10.0, doc="Time limit of each FetchExpert call made to replicate.")
+    load_window_s: float = documented(
+        60.0, doc="Window of the load gauge k3.expert_pool.load (Compute calls in progress on average), which "
+        "the expert pools' autoscalers target.")
 
     def __post_init__(self) -> None:
         try:
             parse_shard(self.shard)
         except ValueError as exc:
             raise ConfigError(str(exc), field="shard") from None
-        if not self.fetch_timeout_s > 0:
-            raise ConfigError(f"must be > 0, got {self.fetch_timeout_s}", field="fetch_timeout_s")
+        for name in ("fetch_timeout_s", "load_window_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)
         if self.model.expert_pools:
             raise ConfigError("an expert pool computes its experts itself; leave it empty",
                               field="model.expert_pools")
@@ -94,6 +101,7 @@ class ExpertPool:
         self._replicas: set[ExpertKey] = set()
         self._rows: dict[ExpertKey, int] = {}
         self._requests = 0
+        self.busy = BusyMeter(config.load_window_s)
         meter = (telemetry or Telemetry()).meter()
         self._rows_counter = meter.create_counter(
             "k3.experts.pool.rows", unit="{row}", description="Latent rows computed, by layer and replica flag.")
@@ -105,6 +113,11 @@ class ExpertPool:
         meter.create_observable_gauge(
             "k3.experts.pool.imbalance", callbacks=[self._observe_imbalance],
             description="max/mean of rows over this pool's home experts.")
+        # Prometheus: k3_expert_pool_load, the Pods metric of the expert pools' HPAs (charts/k3).
+        meter.create_observable_gauge(
+            "k3.expert_pool.load", callbacks=[self._observe_load], unit="1",
+            description="Compute calls in progress on average over the last load_window_s (busy fraction; above 1 "
+                        "when calls overlap): the pool's autoscaling signal")
 
     # -- validation ------------------------------------------------------------------------------------------
     def check_layer(self, layer: int, field: str = "layer") -> int:
@@ -132,6 +145,13 @@ class ExpertPool:
 
     # -- compute ---------------------------------------------------------------------------------------------
     def compute(self, request: experts_pb2.ExpertComputeRequest) -> torch.Tensor:
+        self.busy.enter()
+        try:
+            return self._compute(request)
+        finally:
+            self.busy.exit()
+
+    def _compute(self, request: experts_pb2.ExpertComputeRequest) -> torch.Tensor:
         layer = self.check_layer(request.layer)
         ids, counts = list(request.expert_ids), list(request.counts)
         if len(counts) != len(ids):
@@ -286,6 +306,9 @@ class ExpertPool:
         with self._lock:
             count = len(self._replicas)
         yield Observation(count, {"shard": self.config.shard})
+
+    def _observe_load(self, options):
+        yield Observation(self.busy.load(), {"shard": self.config.shard})
 
     def _observe_imbalance(self, options):
         with self._lock:

@@ -7,7 +7,10 @@ a perfectly balanced one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from k3.protos.v1 import experts_pb2
@@ -20,6 +23,59 @@ def imbalance(values: Iterable[float]) -> float:
     if not values or total <= 0:
         return 0.0
     return max(values) / (total / len(values))
+
+
+class BusyMeter:
+    """How many calls were in progress on average over the last ``window_s`` seconds (thread-safe).
+
+    This is a pool's load as its autoscaler sees it (``k3_expert_pool_load``): 0 when idle, 1 when one Compute
+    was always running, above 1 when calls overlapped. It is the time integral of the in-flight count over
+    the window (over the process's age while that is shorter), kept as the change points of that count, so
+    it is exact rather than sampled; change points older than the window are dropped.
+    """
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._start = clock()
+        self._level = 0
+        self._changes: deque[tuple[float, int]] = deque([(self._start, 0)])
+        """(time, in-flight count from then on); the first entry is at or before the window's start."""
+
+    def enter(self) -> None:
+        self._change(+1)
+
+    def exit(self) -> None:
+        self._change(-1)
+
+    def _change(self, delta: int) -> None:
+        with self._lock:
+            self._level += delta
+            now = self._clock()
+            self._changes.append((now, self._level))
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while len(self._changes) > 1 and self._changes[1][0] <= cutoff:
+            self._changes.popleft()
+
+    def load(self) -> float:
+        """Average in-flight calls over the last ``window_s`` (or since creation, if that is shorter)."""
+        with self._lock:
+            now = self._clock()
+            self._prune(now)
+            begin = max(now - self.window_s, self._start)
+            if now <= begin:
+                return float(self._level)
+            area = 0.0
+            points = list(self._changes)
+            for (t, level), (t_next, _) in zip(points, [*points[1:], (now, 0)], strict=True):
+                area += level * max(0.0, min(t_next, now) - max(t, begin))
+            return area / (now - begin)
 
 
 def cluster_report(pools: Sequence[tuple[str, experts_pb2.PoolStatsResponse]]) -> dict[str, Any]:
