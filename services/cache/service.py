@@ -12,6 +12,8 @@ Design decisions:
   stream carries only ``found`` responses; fewer messages than keys means the prefix ended there).
   Each block is fetched just before it is sent, so a long stream holds no more than one block in memory
   and stops working as soon as the client goes away.
+- Lookups count the blocks asked for and found (``k3.cache.lookup_blocks`` / ``k3.cache.hit_blocks``: the hit
+  ratio) on the service's own ``Telemetry``, which the server shares.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from k3.services.cache.store import (
     UnknownKindError,
     ValueTooLargeError,
 )
+from k3.services.common import metric_names as mn
 from k3.services.common import tensors
 from k3.services.common.config import ServerConfig, documented
 from k3.services.common.errors import InvalidArgument, Unavailable
+from k3.services.common.telemetry import Telemetry, setup_telemetry
 from k3.services.registry import ServiceSpec
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name
@@ -92,8 +96,11 @@ def check_block(block: cache_pb2.Block, field: str = "block") -> None:
 class CacheStoreServicer(cache_pb2_grpc.CacheStoreServicer):
     """Put/Get/GetMany/Lookup/Evict/Stats over a ``TieredStore`` (validated; see the module docstring)."""
 
-    def __init__(self, store: TieredStore):
+    def __init__(self, store: TieredStore, telemetry: Telemetry | None = None):
         self._store = store
+        meter = (telemetry or Telemetry()).meter()
+        self._lookup_blocks = mn.CACHE_LOOKUP_BLOCKS.instrument(meter)
+        self._hit_blocks = mn.CACHE_HIT_BLOCKS.instrument(meter)
 
     def _call(self, fn, *args, kind_field: str = "kind", key_field: str = "keys", value_field: str = "block"):
         """Run a store call, turning its input errors into InvalidArgument on the request's fields."""
@@ -148,6 +155,8 @@ class CacheStoreServicer(cache_pb2_grpc.CacheStoreServicer):
         check_kind(request.kind, "kind")
         keys = check_keys(request.keys)
         tiers = self._call(self._store.lookup, request.kind, keys)
+        self._lookup_blocks.add(len(keys))
+        self._hit_blocks.add(len(tiers))
         return cache_pb2.LookupResponse(hit_blocks=len(tiers), tiers=tiers)
 
     def Evict(self, request: cache_pb2.EvictRequest, context) -> cache_pb2.EvictResponse:
@@ -185,18 +194,30 @@ class CacheService:
     name = "cache"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, store: TieredStore):
+    def __init__(self, store: TieredStore, telemetry: Telemetry | None = None, owns_telemetry: bool = False):
         self.store = store
+        # None: the server builds providers from its config (and the lookup counters record nothing).
+        self.telemetry = telemetry
+        self._owns_telemetry = owns_telemetry
 
     def add_to_server(self, server: grpc.Server) -> None:
-        cache_pb2_grpc.add_CacheStoreServicer_to_server(CacheStoreServicer(self.store), server)
+        cache_pb2_grpc.add_CacheStoreServicer_to_server(CacheStoreServicer(self.store, self.telemetry), server)
 
     def close(self) -> None:
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            if self._owns_telemetry and self.telemetry is not None:
+                self.telemetry.shutdown()
 
 
 def build(config: CacheServiceConfig) -> CacheService:
-    return CacheService(TieredStore(config.store))
+    telemetry = setup_telemetry("cache", config.server)
+    try:
+        return CacheService(TieredStore(config.store), telemetry, owns_telemetry=True)
+    except BaseException:
+        telemetry.shutdown()
+        raise
 
 
 SPEC = ServiceSpec(config_type=CacheServiceConfig, build=build)

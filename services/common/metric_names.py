@@ -14,8 +14,11 @@ Design decisions:
   ``_total``. A test exports every entry through the real exporter and checks the name.
 - Latency histograms carry explicit bucket boundaries in seconds (the SDK's defaults are sized for
   milliseconds); ``instrument`` passes them as advice.
-- Some entries describe metrics a service does not record yet (``emitted`` False): the dashboards and rules
-  already have their panels, and the first service to record one must use this entry.
+- Every entry is recorded by the service named in ``service`` (``emitted`` True); a test runs the services,
+  sends traffic and finds each one on their ``/metrics``. An entry may be declared ahead of its first
+  recorder with ``emitted`` False (dashboards and rules can show it already); that recorder must use it.
+- Services record through ``instrument`` (or the same name, kind and unit), so the Prometheus name here is
+  the one they export.
 """
 
 from __future__ import annotations
@@ -116,9 +119,9 @@ RPC_ACTIVE = _m("rpc.server.active_requests", U, "{request}", "RPCs in flight", 
 
 # --- router: latency seen by clients, usage and cache hits -----------------------------------------------
 TTFT = _m("k3.router.ttft", H, "s", "Time to first token: request received to first token sent", "router",
-          ("k3.request.kind",), LATENCY_BUCKETS, emitted=False)
+          ("k3.request.kind",), LATENCY_BUCKETS)
 TPOT = _m("k3.router.tpot", H, "s", "Time per output token after the first, per request", "router",
-          ("k3.request.kind",), TOKEN_LATENCY_BUCKETS, emitted=False)
+          ("k3.request.kind",), TOKEN_LATENCY_BUCKETS)
 ROUTER_REQUESTS = _m("k3.router.requests", C, "{request}", "Finished requests", "router", ("k3.request.kind",))
 PROMPT_TOKENS = _m("k3.router.prompt_tokens", C, "{token}", "Prompt tokens of finished requests", "router",
                    ("k3.request.kind",))
@@ -134,35 +137,42 @@ ENGINE_TOKENS = _m("k3.engine.tokens", C, "{token}", "Tokens run through the mod
 ENGINE_QUEUED = _m("k3.engine.queued", G, "1", "Requests waiting for a slot or pages (queue length)",
                    "prefill,decode")
 ENGINE_RUNNING = _m("k3.engine.running", G, "1", "Sequences prefilling or decoding", "prefill,decode")
-ENGINE_FREE_SLOTS = _m("k3.engine.free_slots", G, "1", "Free KDA state slots", "prefill,decode")
-ENGINE_FREE_PAGES = _m("k3.engine.free_pages", G, "1", "Free MLA latent pages", "prefill,decode")
+# The slot pool and the paged latent cache belong to the continuous-batching engine (decode); a prefill worker
+# holds one state per running prompt and keeps no pools.
+ENGINE_FREE_SLOTS = _m("k3.engine.free_slots", G, "1", "Free KDA state slots", "decode")
+ENGINE_FREE_PAGES = _m("k3.engine.free_pages", G, "1", "Free MLA latent pages", "decode")
 KDA_STATE_MEMORY = _m("k3.engine.kda_state_memory", G, "By",
-                      "Bytes of fixed-size KDA + conv state held by live sequences", "prefill,decode",
-                      emitted=False)
-KV_LATENT_MEMORY = _m("k3.engine.kv_latent_memory", G, "By", "Bytes of paged MLA latent cache in use",
-                      "prefill,decode", emitted=False)
+                      "Bytes of fixed-size KDA + conv state held by live sequences (slots in use)", "decode")
+KV_LATENT_MEMORY = _m("k3.engine.kv_latent_memory", G, "By",
+                      "Bytes of paged MLA latent cache in use (pages taken by live sequences)", "decode")
 
 # --- cache store ----------------------------------------------------------------------------------------
-CACHE_LOOKUP_BLOCKS = _m("k3.cache.lookup_blocks", C, "{block}", "Blocks asked for in lookups", "cache",
-                         emitted=False)
+CACHE_LOOKUP_BLOCKS = _m("k3.cache.lookup_blocks", C, "{block}", "Blocks asked for in lookups", "cache")
 CACHE_HIT_BLOCKS = _m("k3.cache.hit_blocks", C, "{block}", "Blocks found by lookups (hit ratio = hit / lookup)",
-                      "cache", emitted=False)
+                      "cache")
 
 # --- expert pools (k3.services.experts) ---------------------------------------------------------------
 EXPERT_ROWS = _m("k3.experts.pool.rows", C, "{row}", "Latent rows computed, by layer and replica flag "
-                 "(per-pool expert load; tokens/s = rate)", "experts", ("layer", "replica"))
-EXPERT_IMBALANCE = _m("k3.experts.pool.imbalance", G, "1", "max/mean of rows over the pool's home experts",
+                 "(per-pool expert load; tokens/s = rate)", "experts", ("layer", "replica", "shard"))
+EXPERT_LOAD = _m("k3.experts.pool.expert_rows", C, "{row}", "Latent rows computed per expert over all layers "
+                 "(per-expert load)", "experts", ("expert", "shard"))
+EXPERT_POOL_LOAD = _m("k3.expert_pool.load", G, "1", "Compute calls in progress on average over the last "
+                      "minute (busy fraction; above 1 when calls overlap): the pool's autoscaling signal",
                       "experts")
-EXPERT_REPLICAS = _m("k3.experts.pool.replicas", G, "1", "Foreign (layer, expert) replicas hosted", "experts")
+EXPERT_IMBALANCE = _m("k3.experts.pool.imbalance", G, "1", "max/mean of rows over the pool's home experts",
+                      "experts", ("shard",))
+EXPERT_REPLICAS = _m("k3.experts.pool.replicas", G, "1", "Foreign (layer, expert) replicas hosted", "experts",
+                     ("shard",))
 EXPERT_CLIENT_IMBALANCE = _m("k3.experts.client.imbalance", G, "1", "max/mean of rows sent across shards",
                              "prefill,decode")
 
 # --- reinforcement learning ---------------------------------------------------------------------------
+# (recorded through k3.services.common.rl_metrics)
 RL_REWARD = _m("k3.rl.reward", H, "1", "Verifier reward per finished trajectory, in [0, 1]", "rollout", ("task",),
-               (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), emitted=False)
+               (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
 RL_STALENESS = _m("k3.rl.staleness", H, "{version}",
                   "Weight versions between generating a trajectory and learning from it", "trainer", (),
-                  (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0), emitted=False)
+                  (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0))
 
 # --- planner ----------------------------------------------------------------------------------------
 PLANNER_DESIRED = _m("k3.planner.desired_replicas", G, "1", "Replicas the planner wants, by deployment",

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Iterator
@@ -125,8 +126,12 @@ class _CheckpointJob:
 
     def submit(self, state: SequenceState, token_ids: list[int], prompt_len: int) -> None:
         # MLA blocks up to the end of the prompt were stored by prefill; only later ones are new.
+        # The saver thread runs it in the caller's context (the request's, see ``engine.tracing``), so the
+        # cache store calls join the request's trace.
+        run_in_context = contextvars.copy_context().run
         with self._lock:
-            self.future = self.service.saver.submit(self.service.checkpoints.save, token_ids, state, prompt_len)
+            self.future = self.service.saver.submit(run_in_context, self.service.checkpoints.save, token_ids,
+                                                    state, prompt_len)
 
     def wait(self) -> None:
         with self._lock:
@@ -148,7 +153,8 @@ class DecodeService:
             model, tokenizer = config.model.load()
         self.telemetry = telemetry or Telemetry()
         self._owns_telemetry = owns_telemetry
-        self.engine = Engine(model, config.engine, tokenizer=tokenizer, meter=self.telemetry.meter())
+        self.engine = Engine(model, config.engine, tokenizer=tokenizer, meter=self.telemetry.meter(),
+                             tracer=self.telemetry.tracer() if self.telemetry.tracing else None)
         self._cache_channel = None
         self.checkpoints: CheckpointStore | None = None
         if config.cache_address and config.decode.checkpoint_on_finish:

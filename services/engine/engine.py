@@ -41,7 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from opentelemetry import metrics
+from opentelemetry import metrics, trace
+from opentelemetry.context import Context
 from torch import Tensor
 
 from k3.model.state import SequenceState
@@ -63,6 +64,7 @@ from k3.services.engine.pages import PagedLatentCache
 from k3.services.engine.sampling import RequestSampler, SamplingOptions
 from k3.services.engine.slots import SlotPool
 from k3.services.engine.stream import RequestStream, TokenEvent, Usage
+from k3.services.engine.tracing import attached, capture, step_span
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +108,15 @@ class _Sequence:
     """The last event (with its finish_reason) was emitted."""
     abort_requested: bool = False
     parked_deadline: float = 0.0
+    trace_context: Context | None = None
+    """The OpenTelemetry context of the caller that submitted or resumed it (``tracing``)."""
 
 
 class Engine:
     """Continuous-batching inference over one ``K3Model`` (see the module docstring)."""
 
     def __init__(self, model, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
-                 meter: metrics.Meter | None = None):
+                 meter: metrics.Meter | None = None, tracer: trace.Tracer | None = None):
         if config.max_context > model.cfg.max_seq_len:
             raise ConfigError(f"must not exceed the model's max_seq_len ({model.cfg.max_seq_len}), got "
                               f"{config.max_context}", field="max_context")
@@ -136,6 +140,7 @@ class Engine:
         self._steps = 0
         self._closed = False
         self._dead: BaseException | None = None
+        self._tracer = tracer
         self.metrics = EngineMetrics(meter, self._gauges)
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -156,6 +161,7 @@ class Engine:
         options, max_tokens = self._check_sampling(sampling, len(prompt), "prompt_ids")
         seq = _Sequence(request_id, list(prompt), len(prompt), Phase.WAITING, cached_tokens=cached_tokens)
         self._prepare(seq, options, max_tokens, on_final_state)
+        seq.trace_context = capture()
         with self._lock:
             self._check_open()
             if request_id in self._by_id:
@@ -218,6 +224,7 @@ class Engine:
                 raise UnknownRequest(f"the state of request {request_id!r} is gone (expired or aborted)",
                                      field="request_id")
             self._prepare(seq, options, max_tokens, on_final_state)
+            seq.trace_context = capture()
             seq.stream = self._new_stream(request_id)
             seq.phase = Phase.WAITING
             try:
@@ -493,8 +500,10 @@ class Engine:
 
     def _prefill_chunk(self, seq: _Sequence) -> None:
         chunk = seq.tokens[seq.num_tokens: min(seq.prompt_len, seq.num_tokens + self.config.prefill_chunk)]
-        logits, state = self.model.prefill(torch.tensor(chunk, dtype=torch.long, device=self.device),
-                                           self._state_of(seq))
+        with step_span(self._tracer, "k3.engine.prefill_chunk", [seq.trace_context],
+                       {"k3.engine.tokens": len(chunk)}):
+            logits, state = self.model.prefill(torch.tensor(chunk, dtype=torch.long, device=self.device),
+                                               self._state_of(seq))
         self._store(seq, state)
         self.metrics.add_tokens(len(chunk), "prompt")
         if seq.num_tokens == seq.prompt_len:
@@ -507,7 +516,9 @@ class Engine:
 
     def _decode(self, batch: list[_Sequence]) -> None:
         tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long, device=self.device)
-        logits, states = self.model.decode(tokens, [self._state_of(s) for s in batch])
+        with step_span(self._tracer, "k3.engine.decode_step", [s.trace_context for s in batch],
+                       {"k3.engine.batch": len(batch)}):
+            logits, states = self.model.decode(tokens, [self._state_of(s) for s in batch])
         self.metrics.add_tokens(len(batch), "decode")
         with self._lock:  # rotate: the sequences just run go to the back of the line
             ran = set(map(id, batch))
@@ -555,7 +566,8 @@ class Engine:
         state = SequenceState(self._config_hash, seq.num_tokens, kda=self.slots.snapshot(seq.slot),
                               mla=self.pages.gather(seq.pages, seq.num_tokens))
         try:
-            seq.on_final_state(state, list(seq.tokens), seq.prompt_len)
+            with attached(seq.trace_context):  # its checkpoint belongs to this request's trace
+                seq.on_final_state(state, list(seq.tokens), seq.prompt_len)
         except Exception:
             log.exception("final-state callback of request %s failed", seq.request_id)
         with self._lock:
@@ -606,6 +618,8 @@ class Engine:
             "parked": parked,
             "free_slots": self.slots.free,
             "free_pages": self.pages.free,
+            "kda_state_memory": (self.slots.num_slots - self.slots.free) * self.slots.slot_bytes,
+            "kv_latent_memory": (self.pages.num_pages - self.pages.free) * self.pages.page_bytes,
         }
 
     def _gauges(self) -> dict[str, int]:

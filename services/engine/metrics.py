@@ -4,7 +4,9 @@ Counters (monotonic): ``k3.engine.tokens`` (attribute ``phase``: prompt or decod
 model), ``k3.engine.requests.finished`` (attribute ``finish_reason``), ``k3.engine.requests.aborted``,
 ``k3.engine.states.expired`` (handed-off states never claimed). Gauges, read when the meter collects:
 ``k3.engine.running``, ``k3.engine.queued``, ``k3.engine.parked``, ``k3.engine.free_slots``,
-``k3.engine.free_pages``.
+``k3.engine.free_pages``, ``k3.engine.kda_state_memory`` and ``k3.engine.kv_latent_memory`` (bytes of the slots
+and pages held by live sequences). Names, units and kinds of the catalogued ones come from
+``k3.services.common.metric_names``.
 
 The gauges call back into the engine (``snapshot``), so what the exporter sees and what ``Engine.stats``
 returns are the same numbers.
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from k3.services.common import metric_names as mn
 
 
 @dataclass
@@ -49,8 +53,7 @@ class EngineMetrics:
         self.finished = 0
         self.aborted = 0
         self.expired = 0
-        self._tokens = meter.create_counter("k3.engine.tokens", unit="{token}",
-                                            description="Tokens run through the model")
+        self._tokens = mn.ENGINE_TOKENS.instrument(meter)
         self._finished = meter.create_counter("k3.engine.requests.finished", unit="{request}",
                                               description="Requests that finished generating")
         self._aborted = meter.create_counter("k3.engine.requests.aborted", unit="{request}",
@@ -58,12 +61,11 @@ class EngineMetrics:
         self._expired = meter.create_counter("k3.engine.states.expired", unit="{state}",
                                              description="Handed-off states freed because no stream claimed them")
         self._gauges = gauges
-        for name, doc in (("running", "Sequences prefilling or decoding"),
-                          ("queued", "Requests waiting for a slot or pages"),
-                          ("parked", "Handed-off states waiting for their stream"),
-                          ("free_slots", "Free KDA state slots"),
-                          ("free_pages", "Free MLA latent pages")):
-            meter.create_observable_gauge(f"k3.engine.{name}", callbacks=[self._observer(name)], description=doc)
+        for entry in (mn.ENGINE_RUNNING, mn.ENGINE_QUEUED, mn.ENGINE_FREE_SLOTS, mn.ENGINE_FREE_PAGES,
+                      mn.KDA_STATE_MEMORY, mn.KV_LATENT_MEMORY):
+            entry.instrument(meter, callbacks=[self._observer(entry.name.rpartition(".")[2])])
+        meter.create_observable_gauge("k3.engine.parked", callbacks=[self._observer("parked")],
+                                      description="Handed-off states waiting for their stream")
 
     def _observer(self, name: str):
         def observe(options: CallbackOptions):

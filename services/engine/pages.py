@@ -45,6 +45,12 @@ class PagedLatentCache:
     def free(self) -> int:
         return len(self._free)
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every MLA layer (latent and extra key rows)."""
+        return sum(self.c_kv[i][0].numel() * self.c_kv[i].element_size()
+                   + self.k_extra[i][0].numel() * self.k_extra[i].element_size() for i in self.layers)
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

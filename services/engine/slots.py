@@ -40,6 +40,12 @@ class SlotPool:
     def free(self) -> int:
         return len(self._free)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over every KDA layer and field (the same for every sequence, at any length)."""
+        return sum(getattr(state, name)[0].numel() * getattr(state, name).element_size()
+                   for state in self._states.values() for name in _FIELDS)
+
     def acquire(self) -> int | None:
         """A zeroed slot, or None when every slot is taken."""
         if not self._free:

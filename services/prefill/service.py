@@ -28,13 +28,15 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry.metrics import Observation
 
 from k3.protos.v1 import engine_pb2, engine_pb2_grpc
 from k3.services.cache.hashing import BLOCK_TOKENS
+from k3.services.common import metric_names as mn
 from k3.services.common.client import make_channel
 from k3.services.common.config import ServerConfig
 from k3.services.common.errors import InvalidArgument, K3Error
-from k3.services.common.telemetry import Telemetry
+from k3.services.common.telemetry import Telemetry, setup_telemetry
 from k3.services.engine.checkpoints import CheckpointStore
 from k3.services.engine.errors import AlreadyExists, QueueFull, RequestCancelled
 from k3.services.engine.handoff import MAX_REQUEST_ID_CHARS, handoff_chunks
@@ -87,6 +89,11 @@ class PrefillWorker:
         self.queued = 0
         self.tokens_processed = 0
         self.aborted = 0
+        # The engine's catalogue metrics, for prompts: tokens run (phase "prompt"), queue length, running.
+        meter = (telemetry or Telemetry()).meter()
+        self._tokens = mn.ENGINE_TOKENS.instrument(meter)
+        mn.ENGINE_QUEUED.instrument(meter, callbacks=[lambda options: [Observation(self.queued)]])
+        mn.ENGINE_RUNNING.instrument(meter, callbacks=[lambda options: [Observation(self.running)]])
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
@@ -204,6 +211,7 @@ class PrefillWorker:
             logits = out[-1]
             with self._lock:
                 self.tokens_processed += end - pos
+            self._tokens.add(end - pos, {"phase": "prompt"})
             if self.checkpoints is not None and (end % BLOCK_TOKENS == 0 or end in message_ends):
                 check()
                 stored += self.checkpoints.save(ids, state, mla_from=pos)
@@ -260,7 +268,13 @@ class PrefillService:
     name = "prefill"
     service_names = (SERVICE_NAME,)
 
-    def __init__(self, config: PrefillServiceConfig, model=None, telemetry: Telemetry | None = None):
+    def __init__(self, config: PrefillServiceConfig, model=None, telemetry: Telemetry | None = None,
+                 owns_telemetry: bool = False):
+        # The server shares these providers (``start_server`` takes ``service.telemetry``): the spans of the
+        # calls to the cache store, the decode worker and the expert pools join the Prefill call's trace.
+        # None: the server builds providers from its config; the worker's metrics and spans are then not recorded.
+        self.telemetry = telemetry
+        self._owns_telemetry = owns_telemetry
         if model is None:
             model, _ = config.model.load()
         self.model = model
@@ -278,10 +292,17 @@ class PrefillService:
         self.worker.close()
         if self._cache_channel is not None:
             self._cache_channel.close()
+        if self._owns_telemetry and self.telemetry is not None:
+            self.telemetry.shutdown()
 
 
 def build(config: PrefillServiceConfig) -> PrefillService:
-    return PrefillService(config)
+    telemetry = setup_telemetry("prefill", config.server)
+    try:
+        return PrefillService(config, telemetry=telemetry, owns_telemetry=True)
+    except BaseException:
+        telemetry.shutdown()  # a model that fails to load must not leave the metrics port bound
+        raise
 
 
 SPEC = ServiceSpec(config_type=PrefillServiceConfig, build=build)

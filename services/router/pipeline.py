@@ -39,6 +39,7 @@ from k3.services.common.client import error_detail
 from k3.services.common.errors import DeadlineExceeded, K3Error, Unavailable
 from k3.services.router.admission import Admission, Cancelled
 from k3.services.router.config import PricesConfig
+from k3.services.router.latency import LatencyRecorder, RequestClock
 from k3.services.router.routing import Router, Worker
 from k3.services.router.usage import UsageTotals, make_usage
 
@@ -139,8 +140,9 @@ class Pipeline:
     """Runs jobs against the workers chosen by ``router`` under ``admission``."""
 
     def __init__(self, router: Router, admission: Admission, prices: PricesConfig, totals: UsageTotals,
-                 probe_timeout: float):
+                 probe_timeout: float, latency: LatencyRecorder | None = None):
         self.router = router
+        self.latency = latency or LatencyRecorder()
         self.admission = admission
         self.prices = prices
         self.totals = totals
@@ -212,6 +214,7 @@ class Pipeline:
     def run(self, job: Job, flight: InFlight, deadline: float | None) -> Iterator[Event]:
         """The events of ``job`` (decode pieces, then ``Finished``); raises ``K3Error`` on failure."""
         prompt_tokens = len(job.token_ids)
+        clock = self.latency.start(job.kind)  # TTFT counts the wait for admission too
         budget = self.admission.classify(prompt_tokens)
         try:
             budget.acquire(prompt_tokens, deadline, cancelled=lambda: flight.cancelled)
@@ -219,11 +222,13 @@ class Pipeline:
             yield from self._ended(job, flight, cached=0, completion=0)
             return
         try:
-            yield from self._admitted(job, flight, deadline)
+            yield from self._admitted(job, flight, deadline, clock)
         finally:
             budget.release()
+            clock.finish()
 
-    def _admitted(self, job: Job, flight: InFlight, deadline: float | None) -> Iterator[Event]:
+    def _admitted(self, job: Job, flight: InFlight, deadline: float | None,
+                  clock: RequestClock) -> Iterator[Event]:
         keys = chain_block_hashes(job.token_ids)
         choice = self.router.choose_prefill(keys)
         decode = self.router.choose_decode()
@@ -253,6 +258,7 @@ class Pipeline:
             last: inference_pb2.GenerateResponse | None = None
             for piece in self._decode(job, flight, decode, deadline):
                 completion += len(piece.token_ids)
+                clock.tokens_arrived(len(piece.token_ids))
                 if piece.finish_reason:
                     last = piece  # the worker's last message; the stream ends right after it
                 elif piece.token_ids or piece.text:

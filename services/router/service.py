@@ -32,6 +32,7 @@ from k3.services.router import validation
 from k3.services.router.admission import Admission
 from k3.services.router.chat import ChatOutput, build_prompt
 from k3.services.router.config import ModelInfo, RouterServiceConfig, resolve_model
+from k3.services.router.latency import LatencyRecorder
 from k3.services.router.pipeline import CLIENT_GONE, DEADLINE, Event, Finished, InFlight, Job, Pipeline
 from k3.services.router.routing import PrefixIndex, Router, Worker, WorkerPool
 from k3.services.router.usage import UsageTotals
@@ -182,8 +183,10 @@ class RouterService:
         index = PrefixIndex(stores, [up.cache_for(i) for i in range(len(prefill))], up.probe_timeout_seconds)
         self.router = Router(pools[0], pools[1], index, config.routing.affinity_weight)
         self.admission = Admission(config.admission)
-        self.totals = UsageTotals(config.prices, self.telemetry.meter() if self.telemetry.metrics else None)
-        self.pipeline = Pipeline(self.router, self.admission, config.prices, self.totals, up.probe_timeout_seconds)
+        meter = self.telemetry.meter() if self.telemetry.metrics else None
+        self.totals = UsageTotals(config.prices, meter)
+        self.pipeline = Pipeline(self.router, self.admission, config.prices, self.totals, up.probe_timeout_seconds,
+                                 LatencyRecorder(meter))
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:

@@ -11,8 +11,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client.parser import text_string_to_metric_families
 
 from k3.protos.v1 import cache_pb2, cache_pb2_grpc
-from k3.services.cache.service import CacheServiceConfig, build
-from k3.services.cache.store import CacheStoreConfig
+from k3.services.cache.service import CacheService, CacheServiceConfig, build
+from k3.services.cache.store import CacheStoreConfig, TieredStore
 from k3.services.common import metric_names as mn
 from k3.services.common.client import make_channel
 from k3.services.common.config import ConfigError, ServerConfig, load_config
@@ -113,7 +113,11 @@ def test_a_service_serves_its_rpc_metrics_on_its_metrics_port(cache_with_metrics
 def test_a_taken_metrics_port_fails_the_start_with_a_bind_error(cache_with_metrics, tmp_path):
     _, port = cache_with_metrics
     config = cache_config(port, tmp_path / "d2")
-    service = build(config)
+    # The cache builds its own telemetry (its lookups record hit metrics), so the port fails its build...
+    with pytest.raises(MetricsEndpointError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
+        build(config)
+    # ...and a service that leaves telemetry to the server fails the server's start with a bind error.
+    service = CacheService(TieredStore(config.store))
     with pytest.raises(BindError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
         start_server(service, config.server)
     with pytest.raises(MetricsEndpointError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}"):
