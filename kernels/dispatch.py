@@ -153,12 +153,18 @@ def mla_decode_op(
     w_kvb: Tensor, gate_logits: Tensor,
     *,
     scale: float | None = None,
+    validate: bool = True,
 ) -> Tensor:
-    """Absorbed MLA decode over a paged cache up to (excluding) W_o: ``[B, Tq, H * v]`` (see ``k3.kernels.mla``)."""
+    """Absorbed MLA decode over a paged cache up to (excluding) W_o: ``[B, Tq, H * v]`` (see ``k3.kernels.mla``).
+
+    ``validate=False`` skips the Triton path's host-side checks of ``seq_lens`` and page ids (a device
+    synchronisation) for callers that built the page table themselves; the reference always checks.
+    """
     if select_backend(q_nope, kv_cache) == "triton":
         from k3.kernels.mla.decode import mla_decode
 
-        return mla_decode(q_nope, q_extra, kv_cache, block_table, seq_lens, w_kvb, gate_logits, scale=scale)
+        return mla_decode(q_nope, q_extra, kv_cache, block_table, seq_lens, w_kvb, gate_logits, scale=scale,
+                          validate=validate)
     from k3.kernels.mla.reference import mla_decode_reference
 
     return mla_decode_reference(q_nope, q_extra, kv_cache, block_table, seq_lens, w_kvb, gate_logits, scale=scale)
@@ -176,12 +182,15 @@ def situ_glu_op(x: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
     return situ_glu_reference(x, beta1, beta2)
 
 
-def grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """Grouped expert product ``y[rows of e] = x[rows of e] @ w[e]``, differentiable (see ``k3.kernels.moe``)."""
+def grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, *, validate: bool = True) -> Tensor:
+    """Grouped expert product ``y[rows of e] = x[rows of e] @ w[e]``, differentiable (see ``k3.kernels.moe``).
+
+    ``validate=False`` skips the Triton path's host-side check of the offsets (a device synchronisation).
+    """
     if select_backend(x) == "triton":
         from k3.kernels.moe.grouped_gemm import grouped_mm
 
-        return grouped_mm(x, w, offsets)
+        return grouped_mm(x, w, offsets, validate=validate)
     from k3.kernels.moe.reference import grouped_mm_reference
 
     return grouped_mm_reference(x, w, offsets)

@@ -24,8 +24,12 @@ Design decisions:
   would) so that ``g_raw = 0`` really holds at the start: with a random ``W_fb`` the data-dependent part,
   amplified by ``exp(A_log)`` up to 16, would push most channels to either end of the sigmoid. The other
   projections keep ``nn.Linear``'s default initialisation.
-- The core runs on the readable reference kernels; fast kernels are expected to slot in behind the same
-  signature.
+- Kernels: the layer asks :func:`k3.kernels.dispatch.select_backend` which implementation to run. On the
+  reference backend (CPU by default) it runs exactly the readable reference ops written out below. On the
+  Triton backend (CUDA by default) a multi-token call hands the raw projections to the fused chunked kernel
+  (gate, q/k L2 norm and beta sigmoid inside, autograd included), and a one-token call without gradients (a
+  decode step) runs the fused short-convolution and recurrent decode kernels on copies of the state, advanced
+  in place. ``use_chunk=False`` always runs the reference token recurrence (it is the explicit request for it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3.kernels import dispatch
 from k3.kernels.kda import kda_chunk, kda_gate, kda_recurrent
 from k3.kernels.kda.reference import sequence_bounds
 from k3.model.config import K3Config
@@ -232,6 +237,11 @@ class KimiDeltaAttention(nn.Module):
         if state is not None:
             state.check(rows, self.cfg)
         H, K = self.num_heads, self.head_dim
+        want_state = state is not None or return_state
+        if use_chunk and dispatch.select_backend(x) == "triton":
+            if T == 1 and cu_seqlens is None and not (torch.is_grad_enabled() and x.requires_grad):
+                return self._decode_step_kernels(x, state, want_state)
+            return self._chunk_kernels(x, state, cu_seqlens, want_state)
 
         q, conv_q = self.conv_q(self.w_q(x), None if state is None else state.conv_q, cu_seqlens)
         k, conv_k = self.conv_k(self.w_k(x), None if state is None else state.conv_k, cu_seqlens)
@@ -242,7 +252,6 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.w_fb(self.w_fa(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.w_b(x).float())
 
-        want_state = state is not None or return_state
         core = kda_chunk if (use_chunk and T > 1) else kda_recurrent
         o, recurrent = core(
             q, k, v, g, beta,
@@ -250,8 +259,59 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=want_state,
             cu_seqlens=cu_seqlens,
         )
-        o = self.o_norm(o).reshape(B, T, H * K)
+        return self._finish(x, o, want_state, conv_q, conv_k, conv_v, recurrent)
+
+    def _finish(self, x: Tensor, o: Tensor, want_state: bool, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor,
+                recurrent: Tensor | None) -> tuple[Tensor, KDAState | None]:
+        """Output norm, gate and projection of the core's ``o [B, T, H, V]``; the new state when wanted."""
+        B, T = x.shape[:2]
+        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim)
         y = self.w_o(o * torch.sigmoid(self.w_g(x)))
         if not want_state:
             return y, None
         return y, KDAState(conv_q=conv_q, conv_k=conv_k, conv_v=conv_v, recurrent=recurrent.float())
+
+    def _chunk_kernels(self, x: Tensor, state: KDAState | None, cu_seqlens: Tensor | None,
+                       want_state: bool) -> tuple[Tensor, KDAState | None]:
+        """Triton backend, any length: convolutions in torch, then the fused chunked kernel on raw projections."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q, conv_q = self.conv_q(self.w_q(x), None if state is None else state.conv_q, cu_seqlens)
+        k, conv_k = self.conv_k(self.w_k(x), None if state is None else state.conv_k, cu_seqlens)
+        v, conv_v = self.conv_v(self.w_v(x), None if state is None else state.conv_v, cu_seqlens)
+        o, recurrent = dispatch.kda_chunk_op(
+            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K),
+            self.w_fb(self.w_fa(x)).view(B, T, H, K), self.w_b(x), self.A_log, self.dt_bias,
+            lower_bound=self.lower_bound,
+            initial_state=None if state is None else state.recurrent,
+            output_final_state=want_state,
+            cu_seqlens=cu_seqlens,
+        )
+        return self._finish(x, o, want_state, conv_q, conv_k, conv_v, recurrent)
+
+    def _decode_step_kernels(self, x: Tensor, state: KDAState | None,
+                             want_state: bool) -> tuple[Tensor, KDAState | None]:
+        """Triton backend, one token per row, no gradients: fused short-conv and recurrent decode kernels.
+
+        The kernels advance state pools in place; the pools here are fresh copies of ``state`` (rows 0..B-1),
+        so the state passed in stays untouched, as on the reference path.
+        """
+        B = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        fresh = KDAState.zeros(B, self.cfg, x.device, x.dtype) if state is None else state
+        slots = torch.arange(B, device=x.device)
+        h = x[:, 0]
+        convs = []
+        outs = []
+        for conv, proj, old in ((self.conv_q, self.w_q, fresh.conv_q), (self.conv_k, self.w_k, fresh.conv_k),
+                                (self.conv_v, self.w_v, fresh.conv_v)):
+            pool = old.to(dtype=x.dtype, copy=True).contiguous()
+            outs.append(dispatch.short_conv_decode_op(proj(h), pool, conv.conv.weight[:, 0], slots, validate=False))
+            convs.append(pool)
+        q, k, v = (t.view(B, H, K) for t in outs)
+        recurrent = fresh.recurrent.to(dtype=torch.float32, copy=True).contiguous()
+        o = dispatch.kda_decode_op(
+            q, k, v, self.w_fb(self.w_fa(h)).view(B, H, K), self.w_b(h), self.A_log, self.dt_bias,
+            recurrent, slots, lower_bound=self.lower_bound, validate=False,
+        )
+        return self._finish(x, o[:, None], want_state, *convs, recurrent)

@@ -25,6 +25,14 @@ Three paths, all computing the same function:
   the "absorbed" form: W_kvb's key half is folded into the query (q_lat = W_uk^T q_nope, scored directly
   against the cached latents) and its value half into the output (attend over latents, then apply W_uv), so
   per-token keys/values are never materialised. ``absorb=False`` runs the expanded path for comparison.
+
+Kernels: :func:`k3.kernels.dispatch.select_backend` decides per call. On the reference backend (CPU by default)
+every path runs the torch code below, unchanged. On the Triton backend (CUDA by default) the absorbed decode
+runs the paged Triton kernel (:func:`k3.kernels.dispatch.mla_decode_op`): the per-sequence caches are packed into
+one zero-padded buffer that is viewed as pages of ``DECODE_PAGE`` tokens with a trivial page table (sequence
+``b`` owns pages ``b * P .. b * P + P - 1``), so the kernel reads them where they lie and its compiled variant
+does not change as sequences grow. The expanded paths (training, prefill) run
+``torch.nn.functional.scaled_dot_product_attention`` with the same mask instead of materialising the scores.
 """
 
 from __future__ import annotations
@@ -35,12 +43,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from k3.kernels import dispatch
 from k3.model.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.params import init_normal_
 
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation of every projection in this module."""
+
+DECODE_PAGE = 64
+"""Page size (tokens) of the paged view the Triton decode kernel reads the packed decode caches through."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,11 +174,25 @@ class GatedMLA(nn.Module):
         """Expanded attention. q_* [B, Tq, H, *], c [B, Tk, R], k_extra [B, Tk, e], mask bool [B|1, Tq, Tk]
         (True = visible) -> o [B, Tq, H, v]. Softmax in fp32."""
         k_nope, v = self.expand(c)
+        if dispatch.select_backend(q_nope) == "triton":
+            return self._sdpa(q_nope, q_extra, k_nope, k_extra, v, mask)
         scores = torch.einsum("bqhn,bkhn->bhqk", q_nope, k_nope) + torch.einsum("bqhe,bke->bhqk", q_extra, k_extra)
         scores = scores.float() * self.scale
         scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         return torch.einsum("bhqk,bkhv->bqhv", probs, v)
+
+    def _sdpa(self, q_nope: Tensor, q_extra: Tensor, k_nope: Tensor, k_extra: Tensor, v: Tensor,
+              mask: Tensor) -> Tensor:
+        """``attend`` through fused attention: the head-shared extra key is broadcast over the heads and
+        concatenated to ``k_nope`` (the same score); a row with no visible key cannot occur (causal masks)."""
+        H = self.num_heads
+        q = torch.cat([q_nope, q_extra], dim=-1).transpose(1, 2)  # [B, H, Tq, n + e]
+        k_e = k_extra[:, :, None, :].expand(-1, -1, H, -1)
+        k = torch.cat([k_nope, k_e.to(k_nope.dtype)], dim=-1).transpose(1, 2)  # [B, H, Tk, n + e]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=self.scale)
+        return o.transpose(1, 2)
 
     # -- paths -----------------------------------------------------------------------------------------------
     def forward(self, x: Tensor, *, cu_seqlens: Tensor | None = None) -> Tensor:
@@ -207,6 +233,8 @@ class GatedMLA(nn.Module):
             )
         c_new, e_new = self.latents(x)
         caches = [cache.append(c_new[i:i + 1], e_new[i:i + 1]) for i, cache in enumerate(caches)]
+        if absorb and dispatch.select_backend(x) == "triton":
+            return self._decode_kernel(x, caches), caches
         # Pad the caches to a common length; padded slots are masked out.
         lengths = [len(cache) for cache in caches]
         c = nn.utils.rnn.pad_sequence([cache.c_kv for cache in caches], batch_first=True).to(x.dtype)
@@ -218,6 +246,25 @@ class GatedMLA(nn.Module):
         else:
             o = self.attend(q_nope[:, None], q_extra[:, None], c, k_extra, valid[:, None, :])[:, 0]
         return self.output(o, x), caches
+
+    def _decode_kernel(self, x: Tensor, caches: list[MLACache]) -> Tensor:
+        """Absorbed decode through the paged Triton kernel (see the module docstring): x [B, d] -> [B, d]."""
+        B = x.shape[0]
+        lengths = [len(cache) for cache in caches]
+        pages = -(-max(lengths) // DECODE_PAGE)
+        width = self.kv_rank + self.extra_dim
+        kv = x.new_zeros(B, pages * DECODE_PAGE, width)
+        for b, cache in enumerate(caches):
+            kv[b, : lengths[b], : self.kv_rank] = cache.c_kv
+            kv[b, : lengths[b], self.kv_rank :] = cache.k_extra
+        block_table = torch.arange(B * pages, device=x.device, dtype=torch.int32).view(B, pages)
+        seq_lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
+        q_nope, q_extra = self.queries(x[:, None])  # [B, 1, H, n], [B, 1, H, e]
+        gated = dispatch.mla_decode_op(
+            q_nope, q_extra, kv.view(B * pages, DECODE_PAGE, width), block_table, seq_lens,
+            self.wkv_b.weight, self.w_gate(x[:, None]), scale=self.scale, validate=False,
+        )
+        return self.wo(gated[:, 0])
 
     def _absorbed_attend(self, q_nope: Tensor, q_extra: Tensor, c: Tensor, k_extra: Tensor,
                          valid: Tensor) -> Tensor:

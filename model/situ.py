@@ -13,12 +13,17 @@ Design decisions:
   the caps) and cast back to the input dtype, so the following matmul runs in the model's dtype.
 - ``W_in`` holds the gate half first, then the linear half, in ``nn.Linear``'s [out, in] layout: the same
   convention as the stacked routed-expert weights of the MoE, so one split rule serves both.
+- ``SiTUGLU`` applies the activation through :func:`k3.kernels.dispatch.situ_glu_op` on the packed
+  ``[gate | linear]`` projection: the fused Triton kernel on CUDA, :func:`situ_glu` (the same ops as always)
+  elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from k3.kernels import dispatch
 
 
 def _check_beta(name: str, value: float) -> None:
@@ -55,8 +60,7 @@ class SiTUGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.d_in:
             raise ValueError(f"SiTUGLU expects last dimension d_in={self.d_in}, got shape {tuple(x.shape)}")
-        gate, linear = self.w_in(x).chunk(2, dim=-1)
-        return self.w_out(situ_glu(gate, linear, self.beta1, self.beta2))
+        return self.w_out(dispatch.situ_glu_op(self.w_in(x), self.beta1, self.beta2))
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_hidden={self.d_hidden}, beta1={self.beta1}, beta2={self.beta2}"

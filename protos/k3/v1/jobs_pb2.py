@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10k3/v1/jobs.proto\x12\x05k3.v1\"\\\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06preset\x18\x03 \x01(\t\x12\x12\n\ncheckpoint\x18\x04 \x01(\t\x12\x11\n\tspec_json\x18\x05 \x01(\t\"]\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1c\n\x04spec\x18\x02 \x01(\x0b\x32\x0e.k3.v1.JobSpec\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\"\x1a\n\x0cWatchRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\xb7\x01\n\x08JobEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12-\n\x07metrics\x18\x04 \x03(\x0b\x32\x1c.k3.v1.JobEvent.MetricsEntry\x12\x12\n\ncheckpoint\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\r\n\x0bListRequest\"(\n\x0cListResponse\x12\x18\n\x04jobs\x18\x01 \x03(\x0b\x32\n.k3.v1.Job2\xba\x01\n\x04Jobs\x12$\n\x06Submit\x12\x0e.k3.v1.JobSpec\x1a\n.k3.v1.Job\x12/\n\x05Watch\x12\x13.k3.v1.WatchRequest\x1a\x0f.k3.v1.JobEvent0\x01\x12*\n\x06\x43\x61ncel\x12\x14.k3.v1.CancelRequest\x1a\n.k3.v1.Job\x12/\n\x04List\x12\x12.k3.v1.ListRequest\x1a\x13.k3.v1.ListResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10k3/v1/jobs.proto\x12\x05k3.v1\"\\\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06preset\x18\x03 \x01(\t\x12\x12\n\ncheckpoint\x18\x04 \x01(\t\x12\x11\n\tspec_json\x18\x05 \x01(\t\"l\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1c\n\x04spec\x18\x02 \x01(\x0b\x32\x0e.k3.v1.JobSpec\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\r\n\x05steps\x18\x06 \x01(\x03\"\x1a\n\x0cWatchRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\xc6\x01\n\x08JobEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12-\n\x07metrics\x18\x04 \x03(\x0b\x32\x1c.k3.v1.JobEvent.MetricsEntry\x12\x12\n\ncheckpoint\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\r\n\x05steps\x18\x07 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\r\n\x0bListRequest\"(\n\x0cListResponse\x12\x18\n\x04jobs\x18\x01 \x03(\x0b\x32\n.k3.v1.Job2\xba\x01\n\x04Jobs\x12$\n\x06Submit\x12\x0e.k3.v1.JobSpec\x1a\n.k3.v1.Job\x12/\n\x05Watch\x12\x13.k3.v1.WatchRequest\x1a\x0f.k3.v1.JobEvent0\x01\x12*\n\x06\x43\x61ncel\x12\x14.k3.v1.CancelRequest\x1a\n.k3.v1.Job\x12/\n\x04List\x12\x12.k3.v1.ListRequest\x1a\x13.k3.v1.ListResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSPEC']._serialized_start=27
   _globals['_JOBSPEC']._serialized_end=119
   _globals['_JOB']._serialized_start=121
-  _globals['_JOB']._serialized_end=214
-  _globals['_WATCHREQUEST']._serialized_start=216
-  _globals['_WATCHREQUEST']._serialized_end=242
-  _globals['_JOBEVENT']._serialized_start=245
-  _globals['_JOBEVENT']._serialized_end=428
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=382
-  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=428
-  _globals['_CANCELREQUEST']._serialized_start=430
-  _globals['_CANCELREQUEST']._serialized_end=457
-  _globals['_LISTREQUEST']._serialized_start=459
-  _globals['_LISTREQUEST']._serialized_end=472
-  _globals['_LISTRESPONSE']._serialized_start=474
-  _globals['_LISTRESPONSE']._serialized_end=514
-  _globals['_JOBS']._serialized_start=517
-  _globals['_JOBS']._serialized_end=703
+  _globals['_JOB']._serialized_end=229
+  _globals['_WATCHREQUEST']._serialized_start=231
+  _globals['_WATCHREQUEST']._serialized_end=257
+  _globals['_JOBEVENT']._serialized_start=260
+  _globals['_JOBEVENT']._serialized_end=458
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_start=412
+  _globals['_JOBEVENT_METRICSENTRY']._serialized_end=458
+  _globals['_CANCELREQUEST']._serialized_start=460
+  _globals['_CANCELREQUEST']._serialized_end=487
+  _globals['_LISTREQUEST']._serialized_start=489
+  _globals['_LISTREQUEST']._serialized_end=502
+  _globals['_LISTRESPONSE']._serialized_start=504
+  _globals['_LISTRESPONSE']._serialized_end=544
+  _globals['_JOBS']._serialized_start=547
+  _globals['_JOBS']._serialized_end=733
 # @@protoc_insertion_point(module_scope)

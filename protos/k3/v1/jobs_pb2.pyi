@@ -21,18 +21,20 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., preset: _Optional[str] = ..., checkpoint: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "message", "step")
+    __slots__ = ("id", "spec", "state", "message", "step", "steps")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: str
     message: str
     step: int
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    steps: int
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("id",)
@@ -41,7 +43,7 @@ class WatchRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("id", "state", "step", "metrics", "checkpoint", "message")
+    __slots__ = ("id", "state", "step", "metrics", "checkpoint", "message", "steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,13 +57,15 @@ class JobEvent(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     step: int
     metrics: _containers.ScalarMap[str, float]
     checkpoint: str
     message: str
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., checkpoint: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    steps: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., checkpoint: _Optional[str] = ..., message: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("id",)
