@@ -86,6 +86,53 @@ class MLAConfig:
 
 
 @triton.jit
+def _mla_tile(
+    ql, qe, acc, m_i, l_i, kv_ptr, bt_ptr, b, s_btb, s_kvp, s_kvr, n0, end, query_pos, dr, de, qk_scale,
+    R: tl.constexpr, E: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, EVEN_R: tl.constexpr, EVEN_E: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One key tile ``[n0, n0 + BN)`` against all query rows: online-softmax update of (acc, m_i, l_i).
+
+    ``MASKED`` tiles may run past the slice end or reach the draft tokens (causal mask); the others are
+    wholly visible to every row, so they skip the mask arithmetic and load whole rows unconditionally.
+    """
+    pos = n0 + tl.arange(0, BN)
+    mask_n = pos < end
+    if TILE_IN_PAGE:  # the whole tile lies in one page: one page-table read, affine row addresses
+        page = tl.load(bt_ptr + b * s_btb + n0 // PAGE).to(tl.int64)
+        row = kv_ptr + page * s_kvp + (n0 % PAGE + tl.arange(0, BN)) * s_kvr
+    elif MASKED:
+        page = tl.load(bt_ptr + b * s_btb + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+        row = kv_ptr + page * s_kvp + (pos % PAGE) * s_kvr
+    else:
+        page = tl.load(bt_ptr + b * s_btb + pos // PAGE).to(tl.int64)
+        row = kv_ptr + page * s_kvp + (pos % PAGE) * s_kvr
+    if MASKED or not EVEN_R:
+        c = tl.load(row[:, None] + dr[None, :], mask=mask_n[:, None] & (dr < R)[None, :], other=0.0)
+    else:
+        c = tl.load(row[:, None] + dr[None, :])
+    if MASKED or not EVEN_E:
+        ke = tl.load(row[:, None] + R + de[None, :], mask=mask_n[:, None] & (de < E)[None, :], other=0.0)
+    else:
+        ke = tl.load(row[:, None] + R + de[None, :])
+    if UPCAST:  # see k3.kernels.cast
+        c, ke = c.to(tl.float32), ke.to(tl.float32)
+    s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
+    s = tl.dot(qe, tl.trans(ke), s, input_precision=PRECISION)
+    s = s * qk_scale  # log2 domain
+    if MASKED:
+        visible = mask_n[None, :] & (pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _mla_split_kernel(
     ql_ptr, qe_ptr, kv_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr,
     s_qlb, s_qlt, s_qlh, s_qeb, s_qet, s_qeh, s_kvp, s_kvr, s_btb,
@@ -101,7 +148,7 @@ def _mla_split_kernel(
     seq_len = tl.load(len_ptr + b).to(tl.int32)
     rows = pid_m * BM + tl.arange(0, BM)
     mask_r = rows < Tq * H
-    t = rows // H
+    t = rows // H  # rows are (draft token, head) pairs: all Tq x H of a sequence share each key tile
     h = rows % H
     query_pos = seq_len - Tq + t  # absolute position of each query row
     dr = tl.arange(0, RP)
@@ -117,34 +164,19 @@ def _mla_split_kernel(
 
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # Tiles wholly before the first draft token and inside the slice need no mask.
+    full_end = start + tl.maximum(tl.minimum(end, seq_len - Tq + 1) - start, 0) // BN * BN
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, RP), tl.float32)
-    for n0 in range(start, end, BN):
-        pos = n0 + tl.arange(0, BN)
-        mask_n = pos < end
-        if TILE_IN_PAGE:  # the whole tile lies in one page: one page-table read, affine row addresses
-            page = tl.load(bt_ptr + b * s_btb + n0 // PAGE).to(tl.int64)
-            row = kv_ptr + page * s_kvp + (n0 % PAGE + tl.arange(0, BN)) * s_kvr
-        else:
-            page = tl.load(bt_ptr + b * s_btb + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-            row = kv_ptr + page * s_kvp + (pos % PAGE) * s_kvr
-        c = tl.load(row[:, None] + dr[None, :], mask=mask_n[:, None] & mask_dr[None, :], other=0.0)
-        ke = tl.load(row[:, None] + R + de[None, :], mask=mask_n[:, None] & mask_de[None, :], other=0.0)
-        if UPCAST:
-            c, ke = c.to(tl.float32), ke.to(tl.float32)
-        s = tl.dot(ql, tl.trans(c), input_precision=PRECISION)
-        s = tl.dot(qe, tl.trans(ke), s, input_precision=PRECISION)
-        s = s * qk_scale  # log2 domain
-        visible = mask_n[None, :] & (pos[None, :] <= query_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+    for n0 in range(start, full_end, BN):
+        acc, m_i, l_i = _mla_tile(ql, qe, acc, m_i, l_i, kv_ptr, bt_ptr, b, s_btb, s_kvp, s_kvr, n0, end,
+                                  query_pos, dr, de, qk_scale, R, E, PAGE, BN, UPCAST, PRECISION, TILE_IN_PAGE,
+                                  RP == R, EP == E, False)
+    for n0 in range(full_end, end, BN):
+        acc, m_i, l_i = _mla_tile(ql, qe, acc, m_i, l_i, kv_ptr, bt_ptr, b, s_btb, s_kvp, s_kvr, n0, end,
+                                  query_pos, dr, de, qk_scale, R, E, PAGE, BN, UPCAST, PRECISION, TILE_IN_PAGE,
+                                  RP == R, EP == E, True)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]

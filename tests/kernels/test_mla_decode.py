@@ -12,7 +12,7 @@ from k3.kernels.mla.reference import mla_decode_attention_reference, mla_decode_
 B, H, R, E, PAGE, MAX_PAGES, NUM_PAGES = 3, 4, 32, 16, 8, 6, 24
 
 
-def _paged_problem(gen, dtype, Tq, lengths=(5, 37, 20), page=PAGE):
+def _paged_problem(gen, dtype, Tq, lengths=(5, 37, 20), page=PAGE, heads=H):
     """Ragged lengths (one shorter than a page), pages scattered over the pool, unused table entries = -1."""
     seq_lens = torch.tensor(lengths)
     kv_cache = torch.randn(NUM_PAGES, page, R + E, generator=gen).to(dtype)
@@ -23,8 +23,8 @@ def _paged_problem(gen, dtype, Tq, lengths=(5, 37, 20), page=PAGE):
         count = -(-n // page)
         block_table[b, :count] = pages[used:used + count]
         used += count
-    q_latent = torch.randn(B, Tq, H, R, generator=gen).to(dtype)
-    q_extra = torch.randn(B, Tq, H, E, generator=gen).to(dtype)
+    q_latent = torch.randn(B, Tq, heads, R, generator=gen).to(dtype)
+    q_extra = torch.randn(B, Tq, heads, E, generator=gen).to(dtype)
     return q_latent, q_extra, kv_cache, block_table, seq_lens
 
 
@@ -43,6 +43,43 @@ def test_attention_core_matches_reference(dtype, Tq, page):
     assert o.data_ptr() == out.data_ptr()
     ref = mla_decode_attention_reference(q_latent.float(), q_extra.float(), kv_cache.float(), block_table, seq_lens)
     assert_close(o, ref, dtype)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "dtype,block_m,num_splits",
+    [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.float32, 16, 2), (torch.bfloat16, 16, 3)],
+)
+def test_speculative_verification_tq4(dtype, block_m, num_splits):
+    """Tq = 4 draft tokens x 8 heads: all 32 rows in one block (default) or in two blocks of 16 rows; long
+    slices mix mask-free tiles with the masked tail, short ones put draft tokens in every place."""
+    Tq, heads = 4, 8
+    q_latent, q_extra, kv_cache, block_table, seq_lens = _paged_problem(
+        fresh_generator(), dtype, Tq, lengths=(4, 45, 23), page=16, heads=heads)
+    out = poisoned_empty(B, Tq, heads, R, dtype=dtype)
+    config = MLAConfig(block_m=block_m, block_n=16, num_splits=num_splits)
+    o = mla_decode_attention(q_latent, q_extra, kv_cache, block_table, seq_lens, out=out, config=config)
+    ref = mla_decode_attention_reference(q_latent.float(), q_extra.float(), kv_cache.float(), block_table, seq_lens)
+    assert_close(o, ref, dtype)
+    # the first draft token of the 4-token sequence sees one key: its output is that key's latent
+    assert_close(o[0, 0], kv_cache[block_table[0, 0], 0, :R].float().expand(heads, R), dtype, "single visible key")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_absorbed_path_tq4(dtype):
+    """The whole absorbed path (absorptions, kernel, gate) for 4 draft tokens against the reference."""
+    gen = fresh_generator()
+    Tq, n, v = 4, 16, 8
+    _, q_extra, kv_cache, block_table, seq_lens = _paged_problem(gen, dtype, Tq, lengths=(9, 40, 17), page=16)
+    q_nope = torch.randn(B, Tq, H, n, generator=gen).to(dtype)
+    w_kvb = (torch.randn(H * (n + v), R, generator=gen) * 0.2).to(dtype)
+    gate = torch.randn(B, Tq, H * v, generator=gen).to(dtype)
+    ours = mla_decode(q_nope, q_extra, kv_cache, block_table, seq_lens, w_kvb, gate, config=MLAConfig(block_n=16))
+    ref = mla_decode_reference(q_nope.float(), q_extra.float(), kv_cache.float(), block_table, seq_lens,
+                               w_kvb.float(), gate.float())
+    assert ours.dtype == dtype
+    assert_close(ours, ref, dtype)
 
 
 def test_causality_among_the_new_tokens():
