@@ -85,6 +85,11 @@ class ChunkKDAConfig:
             V tile) keeps a ``[K, state_block_v]`` fp32 state in registers (power of two >= 16).
         num_warps: warps per program of the chunk-parallel kernels.
         state_num_warps: warps per program of the sequential state kernels.
+        num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
+            ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
+        state_num_stages: pipelining depth of the sequential state kernels. Their loop over chunks loads
+            about 100 KB of tiles per iteration at K = V = 128, so Triton's default of 3 stages exceeds the
+            H200's 227 KB of shared memory; 1 keeps the backward state kernel launchable.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32,
             split-bf16 products (three bf16 tensor-core products, about 16 significant bits) when all
             are 16-bit; ``"bf16"``: single bf16-operand products (fastest, about 8 significant bits; the
@@ -97,6 +102,8 @@ class ChunkKDAConfig:
     state_block_v: int = 32
     num_warps: int = 4
     state_num_warps: int = 4
+    num_stages: int = 2
+    state_num_stages: int = 1
     precision: str = "auto"
     poison: bool = False
 
@@ -105,6 +112,10 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_stages", "state_num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
+                raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in ("num_warps", "state_num_warps"):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -892,7 +903,7 @@ def _run_state_forward(k, G, rk, w, u, h0, layout, meta, *, save_h, v_new_dtype,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=cfg.state_block_v,
         HAS_H0=h0 is not None, SAVE_H=save_h, STORE_FINAL=want_final,
-        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps,
+        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps, num_stages=cfg.state_num_stages,
     )  # fmt: skip
     return (h if save_h else None), v_new, (ht if want_final else None)
 
@@ -915,7 +926,7 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
         q, k, v, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, Aqk, Tkk, w, u,
         layout.chunk_start, layout.chunk_len, meta.scale, meta.lower_bound,
         BK=cfg.block_k, BV=cfg.block_v, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid,
-        num_warps=cfg.num_warps, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip
     h, v_new, ht = _run_state_forward(
         k, G, rk, w, u, h0, layout, meta, save_h=True, v_new_dtype=f32, want_final=want_final
@@ -923,7 +934,7 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     o = _alloc((NT, H, V), v.dtype, dev, cfg.poison)
     _fwd_out_kernel[(N, H, triton.cdiv(V, cfg.block_v))](
         q, G, rq, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len, meta.scale,
-        BK=cfg.block_k, BV=cfg.block_v, num_warps=cfg.num_warps, **common,
+        BK=cfg.block_k, BV=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip
     return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u)
 
@@ -944,7 +955,7 @@ def _backward(do, dht, saved, layout, meta):
     dvl = _alloc((NT, H, V), f32, dev, poison)
     _bwd_dav_kernel[(N, H)](
         Aqk, v_new, do, dAq, dvl, layout.chunk_start, layout.chunk_len,
-        H=H, V=V, BT=BT, BV=cfg.block_v, P=meta.prec, EMU=meta.emu, num_warps=cfg.num_warps,
+        H=H, V=V, BT=BT, BV=cfg.block_v, P=meta.prec, EMU=meta.emu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
     dh = _alloc((N, H, K, V), f32, dev, poison)
@@ -954,7 +965,7 @@ def _backward(do, dht, saved, layout, meta):
         q, k, G, rq, rk, w, do, dvl, dht if dht is not None else G, dh, dvn, dh0 if dh0 is not None else G,
         layout.seq_start, layout.seq_len, layout.seq_chunk0, meta.scale,
         KP=KP, BV=cfg.state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        num_warps=cfg.state_num_warps, **common,
+        num_warps=cfg.state_num_warps, num_stages=cfg.state_num_stages, **common,
     )  # fmt: skip
 
     dv = _alloc((NT, H, V), v.dtype, dev, poison)
@@ -966,7 +977,7 @@ def _backward(do, dht, saved, layout, meta):
     _bwd_wy_kernel[(N, H)](
         q, k, v, beta_raw, G, rq, rk, Tkk, w, u, v_new, dvn, h, dh, do,
         dv, dqh, dkh, dGh, dAk, dbeta_wy, layout.chunk_start, layout.chunk_len, meta.scale,
-        BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid, num_warps=cfg.num_warps, **common,
+        BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )  # fmt: skip
     del h, dh, dvn, v_new
 
@@ -980,7 +991,7 @@ def _backward(do, dht, saved, layout, meta):
         dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
     dq = _alloc((NT, H, K), q.dtype, dev, poison)
@@ -990,7 +1001,7 @@ def _backward(do, dht, saved, layout, meta):
     _bwd_finish_kernel[(triton.cdiv(NT, BR), H)](
         q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta, NT,
         H=H, K=K, KP=KP, BR=BR, NKB=nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)

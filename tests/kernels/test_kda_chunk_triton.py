@@ -215,6 +215,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("block_k", 24, r"ChunkKDAConfig.block_k must be a power of two >= 16, got 24"),
         ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
+        ("state_num_stages", 0, r"ChunkKDAConfig.state_num_stages must be an int from 1 to 4, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'ieee'\), got 'fp8'"),
     ],
 )
