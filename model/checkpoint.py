@@ -197,11 +197,13 @@ def save_checkpoint(
     tokenizer: Any,
     trainer_state: dict[str, Any],
     keep_last: int = 0,
+    extra: Any = None,
 ) -> Path:
     """Write ``run_dir/checkpoint-STEP`` atomically, point ``latest`` at it, keep the newest ``keep_last``.
 
     ``trainer_state`` must be JSON-compatible (the loop's step, sampler and RNG states, its config).
-    ``keep_last=0`` keeps every checkpoint.
+    ``keep_last=0`` keeps every checkpoint. ``extra``, if given, is called with the temporary folder before it
+    is renamed into place, to write more parts of the checkpoint atomically with it (e.g. ``vision/``).
     """
     # Encode first: a state that cannot be saved must fail before anything is written.
     trainer_doc = {"format": FORMAT_VERSION, "step": int(step), **_to_json_value(trainer_state, "trainer_state")}
@@ -217,6 +219,8 @@ def save_checkpoint(
     (tmp / "trainer.json").write_text(json.dumps(trainer_doc, indent=1), encoding="utf-8")
     (tmp / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2, sort_keys=True), encoding="utf-8")
     tokenizer.save(tmp / "tokenizer")
+    if extra is not None:
+        extra(tmp)
 
     if final.exists():
         # A crash after the rename but before ``latest`` moved leaves an orphan of this step; replace it.

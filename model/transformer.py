@@ -14,9 +14,13 @@ Layer i (0-based) is a token mixer (KDA or gated MLA, ``cfg.layer_kind(i)``) fol
 
 Three ways to run it, sharing the layer code and differing only in how the token mixers are called:
 
-- ``forward(input_ids, cu_seqlens=None)``: training; [B, T] or packed [1, N] with ``cu_seqlens``.
-- ``prefill(input_ids, state=None)``: one sequence, continuing from a ``SequenceState``; returns the new state.
+- ``forward(input_ids, cu_seqlens=None, visual=None)``: training; [B, T] or packed [1, N] with ``cu_seqlens``.
+- ``prefill(input_ids, state=None, visual=None)``: one sequence, continuing from a ``SequenceState``; returns the
+  new state.
 - ``decode(token_ids, states)``: one token for each of B independent sequences.
+
+``visual`` (``k3.model.multimodal.VisualEmbeds``) replaces the embeddings at the image placeholder positions by
+visual tokens; without it the embedding lookup is exactly the text-only one.
 
 ``prefill``/``decode`` run under ``torch.no_grad`` and never modify the states passed in.
 
@@ -37,6 +41,7 @@ from k3.model.config import K3Config
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA, check_cu_seqlens
 from k3.model.moe import LatentMoE
+from k3.model.multimodal import VisualEmbeds, insert_visual
 from k3.model.norm import RMSNorm
 from k3.model.params import init_normal_
 from k3.model.situ import SiTUGLU
@@ -118,6 +123,10 @@ class K3Model(nn.Module):
             p, bank = layer(p, bank, mix)
         return self.final_norm(self.final_res(p, bank))
 
+    def _embed(self, ids: Tensor, visual: VisualEmbeds | None) -> Tensor:
+        x = self.embed(ids)
+        return x if visual is None else insert_visual(x, ids, visual)
+
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         return self.embed.weight.device, self.embed.weight.dtype
 
@@ -129,8 +138,10 @@ class K3Model(nn.Module):
                              f"[{int(ids.min())}, {int(ids.max())}]")
 
     # -- training path -------------------------------------------------------------------------------------------
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
-        """input_ids [B, T] (or packed [1, N] with ``cu_seqlens`` [num_seqs + 1]) -> logits [B, T, vocab]."""
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None,
+                visual: VisualEmbeds | None = None) -> Tensor:
+        """input_ids [B, T] (or packed [1, N] with ``cu_seqlens`` [num_seqs + 1]) -> logits [B, T, vocab].
+        ``visual`` positions index the flattened input_ids."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None:
@@ -144,14 +155,15 @@ class K3Model(nn.Module):
                 return layer.attn(h, cu_seqlens=cu_seqlens)[0]
             return layer.attn(h, cu_seqlens=cu_seqlens)
 
-        return self.lm_head(self._trunk(self.embed(input_ids), mix))
+        return self.lm_head(self._trunk(self._embed(input_ids, visual), mix))
 
-    def loss(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
+    def loss(self, input_ids: Tensor, labels: Tensor | None = None, cu_seqlens: Tensor | None = None,
+             visual: VisualEmbeds | None = None) -> Tensor:
         """Mean next-token cross-entropy. ``labels`` are aligned with positions (labels[t] is the target of
         position t, ``IGNORE_INDEX`` to skip); by default ``next_token_labels(input_ids, cu_seqlens)``."""
         if labels is None:
             labels = next_token_labels(input_ids, cu_seqlens)
-        return lm_loss(self(input_ids, cu_seqlens), labels)
+        return lm_loss(self(input_ids, cu_seqlens, visual), labels)
 
     # -- inference path ------------------------------------------------------------------------------------------
     @property
@@ -174,8 +186,10 @@ class K3Model(nn.Module):
                              f"max_seq_len {self.cfg.max_seq_len}")
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, state: SequenceState | None = None) -> tuple[Tensor, SequenceState]:
+    def prefill(self, input_ids: Tensor, state: SequenceState | None = None,
+                visual: VisualEmbeds | None = None) -> tuple[Tensor, SequenceState]:
         """Run the tokens of one sequence ([T] or [1, T]) after ``state`` (a fresh state if None).
+        ``visual`` positions index these T tokens (``k3.model.multimodal.slice_visual`` cuts a chunk's).
 
         Returns logits [T, vocab] for every new position and the state after the last token.
         """
@@ -195,7 +209,8 @@ class K3Model(nn.Module):
             out, mla_caches[i] = layer.attn.prefill(h[0], state.mla[i])
             return out[None]
 
-        logits = self.lm_head(self._trunk(self.embed(ids.to(self.embed.weight.device))[None], mix))[0]
+        ids = ids.to(self.embed.weight.device)
+        logits = self.lm_head(self._trunk(self._embed(ids, visual)[None], mix))[0]
         return logits, SequenceState(self._config_hash, state.num_tokens + ids.numel(), kda_states, mla_caches)
 
     def prefill_with_checkpoints(
