@@ -302,7 +302,7 @@ class Launcher:
         child = Child(EXPERTS, args, self.emit, label=label)
         self.children.append(child)
         self.pools.append(child)
-        self.emit(f"k3 up: started {label} (shard {index}/{count}, pid {child.proc.pid})")
+        self.emit(f"k3 up: started {label} (pid {child.proc.pid}) for shard {index}/{count}")
         return child
 
     def start_pools(self) -> None:
