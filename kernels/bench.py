@@ -37,6 +37,10 @@ Shapes (bf16 activations, fp32 states) and what the metric counts:
   FLOPs 2 M K N forward, 3x that forward+backward. "ours" is the Triton kernel; ``grouped_mm`` itself picks
   ``torch._grouped_mm`` for bf16 on sm90 (the peer), so the table says where the Triton kernel stands.
 
+* Model (section ``model``, :mod:`k3.kernels.bench_model`): the ``bench-1b`` preset in bf16 with seeded random
+  weights; logits of forward, prefill and decode through the kernels against the reference path (switched
+  in-process with ``K3_KERNELS``), and prefill / decode tokens/s at batch 1 and 64 (eager).
+
 ``--quick`` shrinks every shape (smoke run). ``--tune`` also sweeps launch parameters of our kernels and
 prints the fastest. On a machine without CUDA the command exits with status 2 and says so.
 """
@@ -177,8 +181,12 @@ class Bench:
                 row.metric, row.unit = flops / row.ours_ms / 1e9, "TFLOP/s"
                 row.ceiling_pct = 100 * row.metric / self.report.ceilings["bf16_mm_TFLOPs"]
         self.report.rows.append(row)
-        print(f"  {row.kernel} {row.shape}: ours {_fmt(row.ours_ms)} ms, {row.peer} {_fmt(row.peer_ms)} ms"
-              + (f", {row.metric:.2f} {row.unit} ({row.ceiling_pct:.0f}% of ceiling)" if row.metric else ""))
+        achieved = ""
+        if row.metric:
+            achieved = f", {row.metric:.2f} {row.unit}"
+            if row.ceiling_pct is not None:
+                achieved += f" ({row.ceiling_pct:.0f}% of ceiling)"
+        print(f"  {row.kernel} {row.shape}: ours {_fmt(row.ours_ms)} ms, {row.peer} {_fmt(row.peer_ms)} ms" + achieved)
 
     # --------------------------------------------------------------------------------------------- ceilings
     def ceilings(self) -> None:
@@ -634,11 +642,18 @@ def _tune_grouped(bench: Bench) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
+def bench_model(bench: Bench) -> None:
+    from k3.kernels.bench_model import bench_model as run
+
+    run(bench)
+
+
 SECTIONS = {  # the chunk section last: the fla peer autotunes on first use, which takes minutes
     "kda_decode": bench_kda_decode,
     "mla_decode": bench_mla,
     "situ_glu": bench_situ,
     "grouped_mm": bench_grouped,
+    "model": bench_model,
     "kda_chunk": bench_kda_chunk,
 }
 
