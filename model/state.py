@@ -101,6 +101,13 @@ class SequenceState:
         except (KeyError, ValueError) as exc:
             raise ValueError(f"SequenceState metadata is incomplete or malformed: {metadata}") from exc
         tensors = load_safetensors(bytes(data))
+        if device is not None:
+            tensors = {name: value.to(device) for name, value in tensors.items()}
+        return cls.from_tensors(tensors, num_tokens, config_hash)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], num_tokens: int, config_hash: str) -> SequenceState:
+        """Inverse of ``tensors``: the state from its flat name -> tensor map (tensors are used, not copied)."""
         kda_parts: dict[int, dict[str, Tensor]] = {}
         mla_parts: dict[int, dict[str, Tensor]] = {}
         for name, value in tensors.items():
@@ -108,7 +115,7 @@ class SequenceState:
             if len(parts) != 4 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in ("kda", "mla"):
                 raise ValueError(f"unexpected tensor {name!r} in a serialised SequenceState")
             target = kda_parts if parts[2] == "kda" else mla_parts
-            target.setdefault(int(parts[1]), {})[parts[3]] = value.to(device) if device is not None else value
+            target.setdefault(int(parts[1]), {})[parts[3]] = value
         state = cls(config_hash=config_hash, num_tokens=num_tokens)
         for i in sorted(kda_parts):
             state.kda[i] = KDAState.from_dict(kda_parts[i])

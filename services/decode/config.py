@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from k3.services.common.config import ConfigError, ServerConfig, documented
 from k3.services.engine.config import EngineConfig
+from k3.services.engine.handoff_dist import DistHandoffConfig, check_handoff_mode
 from k3.services.engine.model_source import ModelSourceConfig
 
 
@@ -20,8 +21,16 @@ class DecodeSettings:
         True, doc="Store each finished turn's final state in the cache store (needs cache_address)."
     )
     cache_timeout_s: float = documented(10.0, doc="Time limit of each cache store call.")
+    handoff: str = documented(
+        "grpc", doc="grpc: states arrive as bytes over gRPC only; dist: also host a TCPStore and take "
+        "torch.distributed hand-offs (tensors over NCCL/gloo, control over gRPC; engine.handoff_dist)."
+    )
+    dist: DistHandoffConfig = documented(
+        default_factory=DistHandoffConfig, doc="Rendezvous and limits of the dist hand-off (handoff: dist)."
+    )
 
     def __post_init__(self) -> None:
+        check_handoff_mode(self.handoff)
         if not 1 <= self.max_state_bytes <= (1 << 31) - 1:
             raise ConfigError(f"must be in [1, 2^31 - 1] (an int32 on the wire), got {self.max_state_bytes}",
                               field="max_state_bytes")

@@ -16,6 +16,9 @@
   reply + a new message) then restores it at its message end in prefill, on any worker: a restarted decode
   worker loses nothing that was checkpointed. ``StreamRequest.message_ends`` is not needed for that -- prefill
   already checkpointed every message end of the prompt -- and is ignored.
+- ``DistConnect`` / ``DistHandoff`` (with ``decode.handoff: dist``): the same hand-off with the tensors over a
+  ``torch.distributed`` pair group and only the control over gRPC (``engine.handoff_dist``); without it they
+  answer FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import grpc
 from k3.model.state import SequenceState
 from k3.protos.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2
 from k3.services.common.client import make_channel
-from k3.services.common.errors import InvalidArgument
+from k3.services.common.errors import FailedPrecondition, InvalidArgument
 from k3.services.common.telemetry import Telemetry, setup_telemetry
 from k3.services.decode.config import DecodeServiceConfig
 from k3.services.engine.checkpoints import CheckpointStore
 from k3.services.engine.engine import Engine
 from k3.services.engine.errors import AlreadyExists, SlotsExhausted
 from k3.services.engine.handoff import HandoffAssembler
+from k3.services.engine.handoff_dist import DistHandoffHost, receive_handoff
 from k3.services.engine.sampling import SamplingOptions
 from k3.services.engine.stream import TokenEvent
 from k3.services.registry import ServiceSpec
@@ -107,6 +111,28 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             yield event_to_proto(event)
         checkpoint.wait()
 
+    def DistConnect(self, request, context) -> engine_pb2.DistConnectResponse:
+        return self._dist_host().connect(request)
+
+    def DistHandoff(self, request, context) -> Iterator[engine_pb2.DistHandoffReply]:
+        host = self._dist_host()
+        if self.engine.stats().free_slots == 0:  # refuse before anything crosses the pair group
+            raise SlotsExhausted(f"all {self.engine.config.max_slots} state slots are in use")
+        if self.engine.is_parked(request.request_id):
+            raise AlreadyExists(f"a state for request {request.request_id!r} is already here", field="request_id")
+
+        def park(state, last_logits, token_ids, cached_tokens) -> int:
+            return self.engine.load_state(request.request_id, state, last_logits, token_ids,
+                                          cached_tokens=cached_tokens)
+
+        yield from receive_handoff(host, request, context.is_active, context.time_remaining, park)
+
+    def _dist_host(self) -> DistHandoffHost:
+        if self.service.dist_host is None:
+            raise FailedPrecondition("this decode worker takes hand-offs over gRPC only (decode.handoff: grpc)",
+                                     field="decode.handoff", reason="DIST_HANDOFF_OFF")
+        return self.service.dist_host
+
     def CancelDecode(self, request, context) -> engine_pb2.CancelResponse:
         return engine_pb2.CancelResponse(found=self.engine.abort(request.request_id))
 
@@ -162,11 +188,16 @@ class DecodeService:
             self.checkpoints = CheckpointStore(self._cache_channel, model.cfg, config.decode.cache_timeout_s,
                                                self.engine.device)
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-decode-checkpoint")
+        self.dist_host = (DistHandoffHost(config.decode.dist, self.engine.device, model.cfg.vocab_size,
+                                          config.decode.max_state_bytes)
+                          if config.decode.handoff == "dist" else None)
 
     def add_to_server(self, server: grpc.Server) -> None:
         engine_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
 
     def close(self) -> None:
+        if self.dist_host is not None:
+            self.dist_host.close()
         self.engine.close()
         self.saver.shutdown(wait=True)
         if self._cache_channel is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from k3.services.common.config import ConfigError, ServerConfig, documented
 from k3.services.engine.handoff import MAX_CHUNK_BYTES
+from k3.services.engine.handoff_dist import DistHandoffConfig, check_handoff_mode
 from k3.services.engine.model_source import ModelSourceConfig
 
 
@@ -30,8 +31,16 @@ class PrefillSettings:
         60.0, doc="Time limit of a hand-off when the caller set no deadline."
     )
     cache_timeout_s: float = documented(10.0, doc="Time limit of each cache store call.")
+    handoff: str = documented(
+        "grpc", doc="How states reach decode workers: grpc (safetensors bytes in chunks) or dist (tensors over a "
+        "torch.distributed pair group, NCCL/gloo; the decode worker needs handoff: dist too)."
+    )
+    dist: DistHandoffConfig = documented(
+        default_factory=DistHandoffConfig, doc="Backend and time limit of the dist hand-off (handoff: dist)."
+    )
 
     def __post_init__(self) -> None:
+        check_handoff_mode(self.handoff)
         for name in ("prefill_chunk", "max_concurrent"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field=name)

@@ -15,8 +15,9 @@ Cancellation -- ``CancelPrefill(request_id)``, the caller cancelling, or its dea
 pieces, between cache calls and while the hand-off is in flight; the call then ends with CANCELLED (the
 caller that went away never sees it) and counts in ``Load.aborted``.
 
-State moves over gRPC only (safetensors bytes in <= 1 MiB chunks). A ``torch.distributed`` (NCCL) path for
-GPU-to-GPU hand-off is not implemented.
+With ``prefill.handoff: grpc`` (the default) the state moves as safetensors bytes in <= 1 MiB chunks; with
+``dist`` its tensors cross a ``torch.distributed`` pair group (NCCL between GPUs, gloo on CPU) and gRPC carries
+only the control (``engine.handoff_dist``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from k3.services.common.telemetry import Telemetry, setup_telemetry
 from k3.services.engine.checkpoints import CheckpointStore
 from k3.services.engine.errors import AlreadyExists, QueueFull, RequestCancelled
 from k3.services.engine.handoff import MAX_REQUEST_ID_CHARS, handoff_chunks
+from k3.services.engine.handoff_dist import DistHandoffSender
 from k3.services.prefill.config import PrefillServiceConfig, PrefillSettings
 from k3.services.registry import ServiceSpec
 
@@ -85,6 +87,7 @@ class PrefillWorker:
         self._workers = threading.Semaphore(settings.max_concurrent)
         self._jobs: dict[str, _Job] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self._dist = DistHandoffSender(settings.dist, self.device) if settings.handoff == "dist" else None
         self.running = 0
         self.queued = 0
         self.tokens_processed = 0
@@ -116,6 +119,8 @@ class PrefillWorker:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.close()
+        if self._dist is not None:
+            self._dist.close()
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -228,6 +233,9 @@ class PrefillWorker:
         remaining = time_remaining()
         timeout = self.settings.handoff_timeout_s if remaining is None else min(remaining,
                                                                                 self.settings.handoff_timeout_s)
+        if self._dist is not None:
+            self._hand_off_dist(request_id, address, state, logits, ids, cached, check, timeout)
+            return
         chunks = handoff_chunks(request_id, state.to_bytes(), logits, ids, cached,
                                 self.settings.handoff_chunk_bytes)
         stub = engine_pb2_grpc.DecodeStub(self._channel(address))
@@ -246,6 +254,23 @@ class PrefillWorker:
                 check()  # our own deadline or cancellation: report that, not the hand-off's symptom
                 raise HandoffFailed(exc.code(), f"decode worker {address} did not take the state: "
                                     f"{exc.code().name}: {exc.details()}") from None
+
+
+    def _hand_off_dist(self, request_id: str, address: str, state, logits, ids: Sequence[int], cached: int,
+                       check: Callable[[], None], timeout: float) -> None:
+        def cancelled() -> bool:
+            try:
+                check()
+                return False
+            except RequestCancelled:
+                return True
+
+        try:
+            self._dist.hand_off(address, self._channel(address), request_id, state, logits, ids, cached, timeout,
+                                cancelled)
+        except K3Error:
+            check()  # our own deadline or cancellation: report that, not the hand-off's symptom
+            raise
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):

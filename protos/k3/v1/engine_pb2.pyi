@@ -57,6 +57,56 @@ class HandoffAck(_message.Message):
     slot: int
     def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
 
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DistConnectRequest(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    def __init__(self, backend: _Optional[str] = ...) -> None: ...
+
+class DistConnectResponse(_message.Message):
+    __slots__ = ("group_key", "store_port", "backend")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    group_key: str
+    store_port: int
+    backend: str
+    def __init__(self, group_key: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class DistHandoffHeader(_message.Message):
+    __slots__ = ("request_id", "group_key", "num_tokens", "config_hash", "cached_tokens", "tensors")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    group_key: str
+    num_tokens: int
+    config_hash: str
+    cached_tokens: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, request_id: _Optional[str] = ..., group_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., config_hash: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class DistHandoffReply(_message.Message):
+    __slots__ = ("ready", "ack")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    ack: HandoffAck
+    def __init__(self, ready: _Optional[bool] = ..., ack: _Optional[_Union[HandoffAck, _Mapping]] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
     __slots__ = ("request_id", "sampling", "stop_token_ids", "message_ends")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

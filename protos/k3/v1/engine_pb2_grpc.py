@@ -216,6 +216,16 @@ class DecodeStub:
                 request_serializer=k3_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_engine__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.DistConnect = channel.unary_unary(
+                '/k3.v1.Decode/DistConnect',
+                request_serializer=k3_dot_v1_dot_engine__pb2.DistConnectRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_engine__pb2.DistConnectResponse.FromString,
+                _registered_method=True)
+        self.DistHandoff = channel.unary_stream(
+                '/k3.v1.Decode/DistHandoff',
+                request_serializer=k3_dot_v1_dot_engine__pb2.DistHandoffHeader.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_engine__pb2.DistHandoffReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -248,6 +258,22 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DistConnect(self, request, context):
+        """torch.distributed hand-off (decode.handoff = dist, k3.services.engine.handoff_dist): a prefill worker
+        asks to join a two-rank process group hosted by this worker, through its TCPStore.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DistHandoff(self, request, context):
+        """Control message of one hand-off whose tensors cross the pair group named in the header: the worker
+        validates it and replies `ready`, receives the tensors, then replies with the ack.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +296,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=k3_dot_v1_dot_engine__pb2.LoadRequest.FromString,
                     response_serializer=k3_dot_v1_dot_engine__pb2.LoadResponse.SerializeToString,
+            ),
+            'DistConnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.DistConnect,
+                    request_deserializer=k3_dot_v1_dot_engine__pb2.DistConnectRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_engine__pb2.DistConnectResponse.SerializeToString,
+            ),
+            'DistHandoff': grpc.unary_stream_rpc_method_handler(
+                    servicer.DistHandoff,
+                    request_deserializer=k3_dot_v1_dot_engine__pb2.DistHandoffHeader.FromString,
+                    response_serializer=k3_dot_v1_dot_engine__pb2.DistHandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -380,6 +416,60 @@ class Decode:
             '/k3.v1.Decode/Load',
             k3_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
             k3_dot_v1_dot_engine__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DistConnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.Decode/DistConnect',
+            k3_dot_v1_dot_engine__pb2.DistConnectRequest.SerializeToString,
+            k3_dot_v1_dot_engine__pb2.DistConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DistHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/k3.v1.Decode/DistHandoff',
+            k3_dot_v1_dot_engine__pb2.DistHandoffHeader.SerializeToString,
+            k3_dot_v1_dot_engine__pb2.DistHandoffReply.FromString,
             options,
             channel_credentials,
             insecure,
