@@ -447,6 +447,44 @@ def _time_mla(bench: Bench, B: int, L: int, H: int, Tq: int) -> None:
     bench.add(Row("mla_decode attention", f"B{B} L{L} H{H} Tq{Tq} page64", ours_ms, "sdpa (gathered)", peer_ms,
                   note="CUDA graph"),
               bytes_moved=bytes_moved)
+    if Tq > 1:
+        expected = peer().transpose(1, 2).float() if peer_ms is not None else None
+        _mla_multi_token_sweep(bench, ql, qe, kv, table, lens, scale, bytes_moved, peer_ms, expected)
+
+
+MLA_MULTI_TOKEN_GRID = (  # (block_m, block_n, num_warps, num_stages) for Tq x H = 64 query rows
+    (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3), (64, 32, 16, 2),
+    (32, 64, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3),
+)
+
+
+def _mla_multi_token_sweep(bench: Bench, ql, qe, kv, table, lens, scale, bytes_moved, peer_ms, expected) -> None:
+    """Launch parameters for speculative verification, measured in the same run as the default.
+
+    Tq x H query rows against each key tile is register-heavy (an fp32 ``[block_m, 512]`` accumulator), so
+    whether one 64-row block, two 32-row blocks or four 16-row blocks (cache tiles shared through L2) is the
+    fastest is a property of the card and compiler; the best configuration is recorded as its own row and in
+    the JSON's ``tuning`` list, with its correctness checked.
+    """
+    from k3.kernels.mla.decode import MLAConfig, mla_decode_attention
+
+    Tq, H = ql.shape[1], ql.shape[2]
+    grid = MLA_MULTI_TOKEN_GRID[:3] if bench.quick else MLA_MULTI_TOKEN_GRID
+    configs = [MLAConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns) for bm, bn, nw, ns in grid]
+    before = len(bench.report.tuning)
+    _sweep(bench, f"mla_decode Tq={Tq}", configs,
+           lambda c: lambda: mla_decode_attention(ql, qe, kv, table, lens, scale=scale, validate=False, config=c),
+           bytes_moved=bytes_moved)
+    if len(bench.report.tuning) == before:
+        return
+    best = MLAConfig(**bench.report.tuning[-1]["best"])
+    if expected is not None:
+        ours = mla_decode_attention(ql, qe, kv, table, lens, scale=scale, config=best)
+        bench.check(f"mla_decode Tq={Tq} best config vs sdpa (bf16)", ours, expected, torch.bfloat16)
+    label = f"bm{best.block_m} bn{best.block_n} w{best.num_warps} s{best.num_stages}"
+    bench.add(Row("mla_decode att. (best)", f"B{ql.shape[0]} H{H} Tq{Tq} {label}", bench.report.tuning[-1]["ms"],
+                  "sdpa (gathered)", peer_ms, note=f"CUDA graph; best of the sweep: {best}"),
+              bytes_moved=bytes_moved)
 
 
 # ------------------------------------------------------------------------------------------------- SiTU
