@@ -1,7 +1,7 @@
 """A local Prometheus scraping every service of ``k3 up --observe``.
 
 ``assign_metrics_ports`` gives each service a ``server.metrics_port`` in the launch config (before the
-services start), ``prometheus_config`` writes the scrape configuration for them, and ``LocalPrometheus``
+services start; the expert pools get consecutive ones, ``assign_pool_metrics_ports``), ``prometheus_config`` writes the scrape configuration for them, and ``LocalPrometheus``
 runs the ``prometheus`` binary (Debian package ``prometheus``) on loopback until stopped.
 
 Design decisions:
@@ -107,6 +107,46 @@ def assign_metrics_ports(services: dict[str, dict[str, Any]], names: Sequence[st
             server["metrics_port"] = free_port(host)
         targets[name] = format_address(host, int(server["metrics_port"]))
     return targets
+
+
+def free_port_range(host: str, count: int, attempts: int = 50) -> int:
+    """A port P such that P .. P + count - 1 were all free just now (for the expert pools, which take a fixed
+    ``server.metrics_port`` plus their index)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count - 1 > 65535:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(family, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise ObserveError(f"found no {count} consecutive free ports on {host}")
+
+
+def assign_pool_metrics_ports(services: dict[str, dict[str, Any]], pools: int, host: str) -> list[str]:
+    """Metrics ports of ``pools`` expert pools: the ``experts`` section's ``server.metrics_port`` P (picked
+    when unset) is pool i's P + i (the launcher's rule); returns their host:port in shard order."""
+    if pools <= 0:
+        return []
+    section = services.setdefault("experts", {})
+    server = section.setdefault("server", {})
+    if not isinstance(server, dict):
+        raise ValueError(f"experts.server must be a mapping, got {type(server).__name__}")
+    if server.get("metrics") is False:
+        raise ValueError("experts.server.metrics is false; --observe needs metrics on")
+    if not server.get("metrics_port"):
+        server["metrics_port"] = free_port_range(host, pools)
+    base = int(server["metrics_port"])
+    return [format_address(host, base + i) for i in range(pools)]
 
 
 def _duration(seconds: float) -> str:
@@ -233,5 +273,10 @@ def observe_launch(launch_config, observe: ObserveConfig | None = None) -> Local
     observe = observe or ObserveConfig(host=launch_config.host)
     if not observe.rule_files and DEFAULT_RULES.is_file():
         observe = dataclasses.replace(observe, rule_files=[str(DEFAULT_RULES)])
-    targets = assign_metrics_ports(launch_config.services, SERVICES, launch_config.host)
+    targets: dict[str, str | list[str]] = dict(
+        assign_metrics_ports(launch_config.services, SERVICES, launch_config.host))
+    pools = assign_pool_metrics_ports(launch_config.services, getattr(launch_config, "expert_pools", 0),
+                                      launch_config.host)
+    if pools:
+        targets["experts"] = pools  # one job, one target per pool
     return LocalPrometheus(observe, targets)

@@ -157,8 +157,8 @@ EXPERT_ROWS = _m("k3.experts.pool.rows", C, "{row}", "Latent rows computed, by l
 EXPERT_LOAD = _m("k3.experts.pool.expert_rows", C, "{row}", "Latent rows computed per expert over all layers "
                  "(per-expert load)", "experts", ("expert", "shard"))
 EXPERT_POOL_LOAD = _m("k3.expert_pool.load", G, "1", "Compute calls in progress on average over the last "
-                      "minute (busy fraction; above 1 when calls overlap): the pool's autoscaling signal",
-                      "experts")
+                      "load_window_s (busy fraction; above 1 when calls overlap): the pool's autoscaling signal",
+                      "experts", ("shard",))
 EXPERT_IMBALANCE = _m("k3.experts.pool.imbalance", G, "1", "max/mean of rows over the pool's home experts",
                       "experts", ("shard",))
 EXPERT_REPLICAS = _m("k3.experts.pool.replicas", G, "1", "Foreign (layer, expert) replicas hosted", "experts",

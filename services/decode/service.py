@@ -176,7 +176,7 @@ class DecodeService:
                  telemetry: Telemetry | None = None, owns_telemetry: bool = False):
         self.config = config
         if model is None:
-            model, tokenizer = config.model.load()
+            model, tokenizer = config.model.load(server_config=config.server, telemetry=telemetry)
         self.telemetry = telemetry or Telemetry()
         self._owns_telemetry = owns_telemetry
         self.engine = Engine(model, config.engine, tokenizer=tokenizer, meter=self.telemetry.meter(),

@@ -75,8 +75,11 @@ class ModelSourceConfig:
         if self.expert_pools and self.expert_pools_file is not None:
             raise ConfigError("set either expert_pools or expert_pools_file, not both", field="expert_pools_file")
 
-    def load(self) -> tuple[Any, Any]:
-        """``(model in eval mode, tokenizer or None)``; ``ValueError`` if no model is configured."""
+    def load(self, *, server_config=None, telemetry=None) -> tuple[Any, Any]:
+        """``(model in eval mode, tokenizer or None)``; ``ValueError`` if no model is configured.
+
+        ``server_config`` and ``telemetry`` are the serving process's: the expert pool client's channels carry
+        its bearer token and message limits, and its calls join the trace of the request being computed."""
         from k3.model.presets import get_preset
         from k3.model.transformer import K3Model
 
@@ -100,7 +103,8 @@ class ModelSourceConfig:
         if self.expert_pools or self.expert_pools_file is not None:
             from k3.services.experts.client import attach_pools
 
-            attach_pools(model, self.expert_pools, self.expert_pool_client, pool_file=self.expert_pools_file)
+            attach_pools(model, self.expert_pools, self.expert_pool_client, pool_file=self.expert_pools_file,
+                         server_config=server_config, telemetry=telemetry)
         return model, tokenizer
 
 

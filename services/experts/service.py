@@ -38,6 +38,7 @@ from opentelemetry.metrics import Observation
 
 from k3.model.situ import situ_glu
 from k3.protos.v1 import experts_pb2, experts_pb2_grpc
+from k3.services.common import metric_names as mn
 from k3.services.common import tensors
 from k3.services.common.client import make_channel
 from k3.services.common.config import ConfigError, ServerConfig, documented
@@ -103,21 +104,14 @@ class ExpertPool:
         self._requests = 0
         self.busy = BusyMeter(config.load_window_s)
         meter = (telemetry or Telemetry()).meter()
-        self._rows_counter = meter.create_counter(
-            "k3.experts.pool.rows", unit="{row}", description="Latent rows computed, by layer and replica flag.")
+        self._rows_counter = mn.EXPERT_ROWS.instrument(meter)
+        self._expert_rows_counter = mn.EXPERT_LOAD.instrument(meter)  # the per-expert load
         self._requests_counter = meter.create_counter(
             "k3.experts.pool.requests", unit="{request}", description="Compute calls served.")
-        meter.create_observable_gauge(
-            "k3.experts.pool.replicas", callbacks=[self._observe_replicas],
-            description="Foreign (layer, expert) replicas hosted now.")
-        meter.create_observable_gauge(
-            "k3.experts.pool.imbalance", callbacks=[self._observe_imbalance],
-            description="max/mean of rows over this pool's home experts.")
+        mn.EXPERT_REPLICAS.instrument(meter, callbacks=[self._observe_replicas])
+        mn.EXPERT_IMBALANCE.instrument(meter, callbacks=[self._observe_imbalance])
         # Prometheus: k3_expert_pool_load, the Pods metric of the expert pools' HPAs (charts/k3).
-        meter.create_observable_gauge(
-            "k3.expert_pool.load", callbacks=[self._observe_load], unit="1",
-            description="Compute calls in progress on average over the last load_window_s (busy fraction; above 1 "
-                        "when calls overlap): the pool's autoscaling signal")
+        mn.EXPERT_POOL_LOAD.instrument(meter, callbacks=[self._observe_load])
 
     # -- validation ------------------------------------------------------------------------------------------
     def check_layer(self, layer: int, field: str = "layer") -> int:
@@ -209,6 +203,9 @@ class ExpertPool:
                     replica_rows += count
         attrs = {"layer": layer, "shard": self.config.shard}
         self._requests_counter.add(1, {"shard": self.config.shard})
+        for expert, count in zip(ids, counts, strict=True):
+            if count:
+                self._expert_rows_counter.add(count, {"expert": expert, "shard": self.config.shard})
         if home_rows:
             self._rows_counter.add(home_rows, {**attrs, "replica": False})
         if replica_rows:

@@ -301,7 +301,7 @@ class PrefillService:
         self.telemetry = telemetry
         self._owns_telemetry = owns_telemetry
         if model is None:
-            model, _ = config.model.load()
+            model, _ = config.model.load(server_config=config.server, telemetry=telemetry)
         self.model = model
         self._cache_channel = (make_channel(config.cache_address, config.server, telemetry=telemetry)
                                if config.cache_address else None)
