@@ -150,11 +150,10 @@ def _timed(bench, what: str, fn: Callable[[], object], iters: int) -> float | No
 
     try:
         return time_ms(fn, warmup=1, iters=iters)
-    except torch.OutOfMemoryError as exc:
-        print(f"  {what}: out of memory ({str(exc).splitlines()[0]})")
-    except Exception as exc:  # reported as a missing figure, the other measurements still run
-        print(f"  {what} could not run: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # a missing figure and a failed check; the other measurements still run
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     torch.cuda.empty_cache()
+    _record(bench, f"{PRESET} {what} ran", False, error=error)
     return None
 
 
