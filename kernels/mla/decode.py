@@ -23,6 +23,9 @@ Design decisions:
   table (or a ``max_seq_len`` hint), not from ``seq_lens``; slices that start past a sequence's end write an
   empty partial (lse = -inf) and cost one early exit. ``validate=True`` (default) checks ``seq_lens`` and the page
   ids in use on the host, which synchronises; serving loops that validated their tables turn it off.
+- Causal mask only where it can bite: key tiles that end before the first of the ``Tq`` new tokens (and inside
+  the slice) are visible to every row, so they run without mask arithmetic and load whole rows unconditionally;
+  only the tail tiles of a slice apply the bounds and causal-within-draft masks.
 - Softmax in fp32 with exp2 and the scale folded into log2 space; ``p`` is rounded to the cache dtype for the
   ``p . c`` product (bf16 tensor cores), accumulation is fp32.
 """
