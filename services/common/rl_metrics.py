@@ -46,7 +46,7 @@ class RLMetrics:
             raise ValueError(f"reward must be a number in [0, 1], got {reward!r}")
         if not isinstance(task, str):
             raise ValueError(f"task must be a string, got {type(task).__name__}")
-        self._reward.record(float(reward), {"task": task} if task else {})
+        self._reward.record(float(reward), {"task": task})  # "" (no task) is an absent label to PromQL
 
     def record_staleness(self, learner_version: int, oldest_token_version: int) -> int:
         """Versions between generating a trajectory (its oldest token) and learning from it; returns them."""
