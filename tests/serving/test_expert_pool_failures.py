@@ -31,7 +31,7 @@ from k3.services.launcher import LaunchConfig, Launcher
 
 pytestmark = pytest.mark.timeout(240)
 
-CLIENT = PoolClientConfig(call_timeout_s=10, probe_timeout_s=3, replan_interval_s=0, watch_interval_s=0.2)
+CLIENT = PoolClientConfig(call_timeout_s=3, probe_timeout_s=3, replan_interval_s=0, watch_interval_s=0.2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,38 +68,58 @@ def kill(child) -> None:
     child.proc.wait(timeout=30)
 
 
-def kill_at_layer(model, layer: int, victims, calls: list[int], when: int) -> None:
-    """SIGKILL ``victims`` when layer ``layer``'s experts are asked for the ``when``-th time (mid-step)."""
+def freeze(child) -> None:
+    """SIGSTOP: the pool's connections stay open but nothing answers (a hung pool)."""
+    child.proc.send_signal(signal.SIGSTOP)
+
+
+def at_layer(model, layer: int, action, calls: list[int], when: int) -> None:
+    """Run ``action`` when layer ``layer``'s experts are asked for the ``when``-th time (mid-step)."""
     moe = model.layers[layer].ffn
     hook = model.expert_pool_client.compute
 
     def compute(moe_, z, ids, weights):
         calls.append(1)
         if len(calls) == when:
-            for child in victims:
-                kill(child)
+            action()
         return hook(moe_, z, ids, weights)
 
     moe.routed_compute = compute
 
 
-def test_pool_killed_mid_step_is_retried_and_no_pool_fails_only_that_step(launcher, local_model, tmp_path):
-    a, b = pools(launcher, (0, 2), (1, 2))
+def replicas(child) -> int:
+    with grpc.insecure_channel(child.address) as channel:
+        return experts_pb2_grpc.ExpertPoolStub(channel).PoolStats(experts_pb2.PoolStatsRequest(), timeout=10).replicas
+
+
+def test_pool_killed_or_hung_mid_step_is_retried_and_no_pool_fails_only_that_step(launcher, local_model, tmp_path):
+    a, b, b2 = pools(launcher, (0, 2), (1, 2), (1, 2))
     pool_file = tmp_path / "pools.json"
-    write_pool_set(pool_file, [a.address, b.address])
+    write_pool_set(pool_file, [a.address, b.address, b2.address])
     remote = ModelSourceConfig(preset="tiny", expert_pools_file=str(pool_file), expert_pool_client=CLIENT).load()[0]
     engine = Engine(remote, EngineConfig(max_context=256, max_slots=4, max_batch=4, num_pages=64, parked_timeout_s=600))
     greedy = SamplingOptions(max_tokens=5)
+    prompt = [5, 17, 99, 4, 250, 8]
+    expected = generate(local_model, prompt, 5).token_ids
     try:
-        # 1. Shard 1's only pool dies in the middle of a decode step: its experts are recomputed by shard 0's
-        #    pool (read from its own model source) and the tokens are unchanged.
+        # 1. One of shard 1's two pools is killed in the middle of a decode step: its pieces are retried on the
+        #    other replica of the shard, and the tokens are unchanged.
         calls: list[int] = []
-        kill_at_layer(remote, 4, [b], calls, when=3)
-        prompt = [5, 17, 99, 4, 250, 8]
-        got = engine.generate(prompt, greedy)
-        assert got.token_ids == generate(local_model, prompt, 5).token_ids
+        at_layer(remote, 4, lambda: kill(b), calls, when=3)
+        assert engine.generate(prompt, greedy).token_ids == expected
         assert len(calls) > 3 and b.proc.returncode == -signal.SIGKILL
-        assert remote.expert_pool_client.stats()["retries"] > 0
+        stats = remote.expert_pool_client.stats()
+        assert stats["retries"] > 0 and [p["live"] for p in stats["pools"]] == [True, False, True]
+        assert replicas(a) == 0  # shard 1 still had a pool: nothing was adopted
+
+        # 2. Shard 1's last pool hangs mid-step: its calls end at the Compute deadline (nothing waits for
+        #    ever), shard 0's pool adopts shard 1 (replicas read from its own model source), tokens unchanged.
+        calls.clear()
+        at_layer(remote, 4, lambda: freeze(b2), calls, when=2)
+        assert engine.generate(prompt, greedy).token_ids == expected
+        assert "DEADLINE_EXCEEDED" in remote.expert_pool_client.stats()["pools"][2]["error"]
+        assert replicas(a) > 0
+        kill(b2)
 
         # 2. A handed-off state is parked (not in any step) when the last pool dies mid-step under a running
         #    request: that request alone fails with UNAVAILABLE, the engine keeps serving.
@@ -108,7 +128,7 @@ def test_pool_killed_mid_step_is_retried_and_no_pool_fails_only_that_step(launch
             logits, state = local_model.prefill(torch.tensor(parked_prompt))
         engine.load_state("parked", state, logits[-1], parked_prompt)
         calls.clear()
-        kill_at_layer(remote, 4, [a], calls, when=2)
+        at_layer(remote, 4, lambda: kill(a), calls, when=2)
         doomed = engine.submit([3, 1, 4, 1, 5], greedy)
         with pytest.raises(ComputeUnavailable) as info:
             doomed.result()
@@ -125,12 +145,11 @@ def test_pool_killed_mid_step_is_retried_and_no_pool_fails_only_that_step(launch
             time.sleep(0.1)
         resumed = engine.resume("parked", greedy).result()
         assert resumed.token_ids[:1] == [int(logits[-1].argmax())]
-        again = engine.generate(prompt, greedy)
-        assert again.token_ids == got.token_ids
+        assert engine.generate(prompt, greedy).token_ids == expected
         # A malformed edit is reported and ignored: the workers keep their pools.
         pool_file.write_text("{not json")
         time.sleep(0.6)
-        assert engine.generate(prompt, greedy).token_ids == got.token_ids
+        assert engine.generate(prompt, greedy).token_ids == expected
     finally:
         engine.close()
         remote.expert_pool_client.close()
