@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "k3.commands.tokenizer",
     "k3.commands.train",
     "k3.commands.sft",
+    "k3.commands.jobs",
 ]
 
 

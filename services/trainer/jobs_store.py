@@ -135,7 +135,7 @@ class JobStore:
         return self.get(job_id)
 
     def update(self, job_id: str, *, state: str | None = None, message: str | None = None, step: int | None = None,
-               metrics: dict[str, float] | None = None, checkpoint: str | None = None,
+               steps: int | None = None, metrics: dict[str, float] | None = None, checkpoint: str | None = None,
                attempt: bool = False) -> JobRecord | None:
         """Apply a change and record it as an event; returns None if the job is already terminal (a late
         event after cancellation is dropped rather than reopening the job)."""
@@ -151,6 +151,8 @@ class JobStore:
                 record.message = message
             if step is not None:
                 record.step = int(step)
+            if steps is not None:
+                record.steps = int(steps)
             if metrics:
                 record.metrics.update(metrics)
             if checkpoint:
@@ -158,7 +160,8 @@ class JobStore:
             if attempt:
                 record.attempts += 1
             record.updated = time.time()
-            event = {"id": job_id, "state": record.state, "step": record.step, "metrics": dict(metrics or {}),
+            event = {"id": job_id, "state": record.state, "step": record.step, "steps": record.steps,
+                     "metrics": dict(metrics or {}),
                      "checkpoint": checkpoint or "", "message": message or "", "time": record.updated}
             self._events[job_id].append(event)
             self._append_event(job_id, event)

@@ -224,6 +224,11 @@ class RunningJob:
         with self._lock:
             outcome.cancel_requested, outcome.killed = self.cancel_requested, self.killed
         try:
+            # The job's work is over: end its worker process now rather than when Ray collects the handle.
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        try:
             if not self.runner.closing:
                 self._on_exit(outcome)
             # else: the trainer is stopping; the job keeps its non-final state and resumes on restart

@@ -123,7 +123,10 @@ def event_update(event: dict[str, Any]) -> dict[str, Any]:
     if kind == "start":
         step = int(event.get("step", 0))
         text = f"resumed at step {step} of {event.get('steps')}" if step else f"training {event.get('steps')} steps"
-        return {"state": jobs_store.RUNNING, "step": step, "message": text}
+        update = {"state": jobs_store.RUNNING, "step": step, "message": text}
+        if isinstance(event.get("steps"), int):
+            update["steps"] = event["steps"]
+        return update
     if kind == "train":
         return {"step": int(event["step"]), "metrics": _numbers({k: event.get(k) for k in _METRIC_FIELDS})}
     if kind == "eval":
@@ -132,10 +135,12 @@ def event_update(event: dict[str, Any]) -> dict[str, Any]:
         return {"step": int(event["step"]), "checkpoint": str(event["path"])}
     # Anything else (the RL job's reports): step, metrics, checkpoint and message where present.
     update: dict[str, Any] = {}
-    if isinstance(event.get("step"), int | float):
-        update["step"] = int(event["step"])
+    for key in ("step", "steps"):
+        if isinstance(event.get(key), int | float) and not isinstance(event.get(key), bool):
+            update[key] = int(event[key])
     metrics = dict(event.get("metrics") or {})
-    metrics.update({k: v for k, v in event.items() if k not in ("step", "metrics", "checkpoint", "message", "kind")})
+    metrics.update({k: v for k, v in event.items()
+                    if k not in ("step", "steps", "metrics", "checkpoint", "message", "kind")})
     if numbers := _numbers(metrics):
         update["metrics"] = numbers
     if event.get("checkpoint"):
@@ -156,8 +161,12 @@ def final_update(outcome: JobOutcome) -> dict[str, Any]:
     if result is not None:
         stopped = result.get("stopped")
         if stopped == "cancelled" or (outcome.cancel_requested and result.get("cancelled")):
-            return {"state": jobs_store.CANCELLED, "message": f"cancelled at step {result.get('step')}; "
-                    f"checkpoint {result.get('checkpoint', '')}"}
+            update = {"state": jobs_store.CANCELLED, "message": f"cancelled at step {result.get('step')}"}
+            if isinstance(result.get("step"), int):
+                update["step"] = result["step"]
+            if result.get("checkpoint"):
+                update["checkpoint"] = str(result["checkpoint"])
+            return update
         if stopped:
             return {"state": jobs_store.FAILED, "message": f"stopped early ({stopped}) at step {result.get('step')}"}
         update = {"state": jobs_store.SUCCEEDED, "message": f"finished at step {result.get('step')}"}
@@ -175,7 +184,7 @@ def final_update(outcome: JobOutcome) -> dict[str, Any]:
 def job_proto(record: JobRecord) -> jobs_pb2.Job:
     spec = record.spec
     return jobs_pb2.Job(
-        id=record.id, state=record.state, message=record.message, step=record.step,
+        id=record.id, state=record.state, message=record.message, step=record.step, steps=record.steps,
         spec=jobs_pb2.JobSpec(name=spec.get("name", ""), kind=spec.get("kind", ""), preset=spec.get("preset", ""),
                               checkpoint=spec.get("checkpoint", ""), spec_json=spec.get("spec_json", "")),
     )
@@ -184,7 +193,7 @@ def job_proto(record: JobRecord) -> jobs_pb2.Job:
 def event_proto(event: dict[str, Any]) -> jobs_pb2.JobEvent:
     return jobs_pb2.JobEvent(id=event["id"], state=event["state"], step=int(event["step"]),
                              metrics=event.get("metrics") or {}, checkpoint=event.get("checkpoint", ""),
-                             message=event.get("message", ""))
+                             message=event.get("message", ""), steps=int(event.get("steps", 0)))
 
 
 class Trainer:
