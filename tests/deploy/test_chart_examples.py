@@ -38,7 +38,7 @@ def test_every_deployment_serves_grpc_with_native_grpc_probes(render, example):
     for deployment in deployments:
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        (port,) = container["ports"]
+        port = container["ports"][0]  # then the metrics port (test_chart_metrics)
         assert port["name"] == "grpc"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port["containerPort"]}, (deployment["metadata"]["name"], probe)

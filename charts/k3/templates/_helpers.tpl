@@ -92,6 +92,9 @@ default (sprig's merge would skip those as empty).
 {{- if $v.telemetry.otlpEndpoint }}
 {{- $_ := set $server "otlp_endpoint" $v.telemetry.otlpEndpoint }}
 {{- end }}
+{{- if $v.telemetry.metricsPort }}
+{{- $_ := set $server "metrics_port" (int $v.telemetry.metricsPort) }}
+{{- end }}
 {{- toJson $server }}
 {{- end }}
 
@@ -237,6 +240,12 @@ spec:
             - name: grpc
               containerPort: {{ $port }}
               protocol: TCP
+            {{- with $root.Values.telemetry.metricsPort }}
+            {{- /* Prometheus finds the pods to scrape by this port's name (ops/prometheus/prometheus.yml). */}}
+            - name: metrics
+              containerPort: {{ int . }}
+              protocol: TCP
+            {{- end }}
           {{- $env := concat (include "k3.env" $root | fromYamlArray) (default (list) .env) (default (list) $v.env) }}
           {{- with $env }}
           env:
