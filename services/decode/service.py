@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -98,11 +99,12 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             raise InvalidArgument("state", f"is not a serialised SequenceState: {exc}", reason="BAD_STATE") from None
         slot = self.engine.load_state(handoff.request_id, state, handoff.last_logits, handoff.token_ids,
                                       cached_tokens=handoff.cached_tokens)
+        self.service.key_ids.put(handoff.request_id, handoff.key_ids)
         return engine_pb2.HandoffAck(request_id=handoff.request_id, slot=slot)
 
     def Stream(self, request, context) -> Iterator[inference_pb2.GenerateResponse]:
         options = sampling_from_proto(request.sampling, request.stop_token_ids)
-        checkpoint = _CheckpointJob(self.service)
+        checkpoint = _CheckpointJob(self.service, self.service.key_ids.pop(request.request_id))
         stream = self.engine.resume(request.request_id, options,
                                     on_final_state=checkpoint.submit if self.service.checkpoints else None)
         if not context.add_callback(stream.abort):  # the call already ended: nobody will read
@@ -134,6 +136,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         return self.service.dist_host
 
     def CancelDecode(self, request, context) -> engine_pb2.CancelResponse:
+        self.service.key_ids.pop(request.request_id)
         return engine_pb2.CancelResponse(found=self.engine.abort(request.request_id))
 
     def Load(self, request, context) -> engine_pb2.LoadResponse:
@@ -142,11 +145,35 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                                        free_slots=s.free_slots, aborted=s.aborted)
 
 
+class _PromptKeys:
+    """Cache-key ids of handed-off prompts with images, until their stream starts (bounded: a state that is
+    never streamed must not keep its entry forever)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: OrderedDict[str, list[int]] = OrderedDict()
+
+    def put(self, request_id: str, key_ids: list[int] | None) -> None:
+        if key_ids is None:
+            return
+        with self._lock:
+            self._keys[request_id] = key_ids
+            while len(self._keys) > self.LIMIT:
+                self._keys.popitem(last=False)
+
+    def pop(self, request_id: str) -> list[int] | None:
+        with self._lock:
+            return self._keys.pop(request_id, None)
+
+
 class _CheckpointJob:
     """The end-of-turn checkpoint of one stream: saved off the scheduler thread, awaited by the stream."""
 
-    def __init__(self, service: DecodeService):
+    def __init__(self, service: DecodeService, key_ids: list[int] | None = None):
         self.service = service
+        self.key_ids = key_ids
         self.future: Future | None = None
         self._lock = threading.Lock()
 
@@ -155,6 +182,8 @@ class _CheckpointJob:
         # The saver thread runs it in the caller's context (the request's, see ``engine.tracing``), so the
         # cache store calls join the request's trace.
         run_in_context = contextvars.copy_context().run
+        if self.key_ids is not None:  # a prompt with images: its cache keys hash the images' content
+            token_ids = [*self.key_ids, *token_ids[prompt_len:]]
         with self._lock:
             self.future = self.service.saver.submit(run_in_context, self.service.checkpoints.save, token_ids,
                                                     state, prompt_len)
@@ -188,6 +217,7 @@ class DecodeService:
             self.checkpoints = CheckpointStore(self._cache_channel, model.cfg, config.decode.cache_timeout_s,
                                                self.engine.device)
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-decode-checkpoint")
+        self.key_ids = _PromptKeys()
         self.dist_host = (DistHandoffHost(config.decode.dist, self.engine.device, model.cfg.vocab_size,
                                           config.decode.max_state_bytes)
                           if config.decode.handoff == "dist" else None)

@@ -30,8 +30,10 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 def handoff_chunks(request_id: str, state: bytes, last_logits: torch.Tensor, token_ids: Sequence[int],
-                   cached_tokens: int = 0, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[engine_pb2.HandoffChunk]:
-    """The chunks of one hand-off, each at most ``chunk_bytes`` serialised."""
+                   cached_tokens: int = 0, chunk_bytes: int = MAX_CHUNK_BYTES,
+                   key_ids: Sequence[int] | None = None) -> Iterator[engine_pb2.HandoffChunk]:
+    """The chunks of one hand-off, each at most ``chunk_bytes`` serialised. ``key_ids``: the prompt's cache-key
+    ids when they differ from ``token_ids`` (a prompt with images)."""
     budget = chunk_bytes - _OVERHEAD - len(request_id.encode())
     if budget < 1024:
         raise ValueError(f"chunk_bytes {chunk_bytes} is too small for request id {request_id!r}")
@@ -43,6 +45,8 @@ def handoff_chunks(request_id: str, state: bytes, last_logits: torch.Tensor, tok
     per_chunk = budget // _MAX_VARINT_BYTES
     ids = list(token_ids)
     pieces += [engine_pb2.HandoffChunk(token_ids=ids[i:i + per_chunk]) for i in range(0, len(ids), per_chunk)]
+    keys = list(key_ids or ())
+    pieces += [engine_pb2.HandoffChunk(key_ids=keys[i:i + per_chunk]) for i in range(0, len(keys), per_chunk)]
     first.MergeFrom(pieces[0])
     yield first
     yield from pieces[1:]
@@ -55,6 +59,8 @@ class Handoff:
     last_logits: torch.Tensor
     token_ids: list[int]
     cached_tokens: int
+    key_ids: list[int] | None = None
+    """The prompt's cache-key ids when they differ from ``token_ids`` (images), else None."""
 
 
 class HandoffAssembler:
@@ -68,6 +74,7 @@ class HandoffAssembler:
         self._state = bytearray()
         self._logits = bytearray()
         self._tokens: list[int] = []
+        self._keys: list[int] = []
 
     def add(self, chunk: engine_pb2.HandoffChunk) -> None:
         if self._total < 0:  # first chunk
@@ -90,6 +97,7 @@ class HandoffAssembler:
         self._state += chunk.state
         self._logits += chunk.last_logits
         self._tokens += chunk.token_ids
+        self._keys += chunk.key_ids
 
     def result(self, vocab_size: int) -> Handoff:
         if self._total < 0:
@@ -100,5 +108,9 @@ class HandoffAssembler:
         if len(self._logits) != 4 * vocab_size:
             raise InvalidArgument("last_logits", f"must be {vocab_size} float32 values ({4 * vocab_size} bytes), "
                                   f"got {len(self._logits)} bytes", reason="BAD_LOGITS")
+        if self._keys and len(self._keys) != len(self._tokens):
+            raise InvalidArgument("key_ids", f"has {len(self._keys)} ids for {len(self._tokens)} prompt tokens",
+                                  reason="BAD_KEY_IDS")
         logits = torch.frombuffer(self._logits, dtype=torch.float32).clone()
-        return Handoff(self.request_id, bytes(self._state), logits, self._tokens, self._cached)
+        return Handoff(self.request_id, bytes(self._state), logits, self._tokens, self._cached,
+                       self._keys or None)

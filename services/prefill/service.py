@@ -31,6 +31,7 @@ import grpc
 import torch
 from opentelemetry.metrics import Observation
 
+from k3.model.multimodal import slice_visual
 from k3.protos.v1 import engine_pb2, engine_pb2_grpc
 from k3.services.cache.hashing import BLOCK_TOKENS
 from k3.services.common import metric_names as mn
@@ -43,6 +44,7 @@ from k3.services.engine.errors import AlreadyExists, QueueFull, RequestCancelled
 from k3.services.engine.handoff import MAX_REQUEST_ID_CHARS, handoff_chunks
 from k3.services.engine.handoff_dist import DistHandoffSender
 from k3.services.prefill.config import PrefillServiceConfig, PrefillSettings
+from k3.services.prefill.images import PromptImages, prompt_images
 from k3.services.registry import ServiceSpec
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,7 @@ class PrefillWorker:
     def prefill(self, request: engine_pb2.PrefillRequest, is_active: Callable[[], bool],
                 time_remaining: Callable[[], float | None]) -> engine_pb2.PrefillResponse:
         ids, ends = self.validate(request)
+        images = prompt_images(request.images, ids, self.cfg.hidden_size, self.device, self.model.embed.weight.dtype)
         job = _Job(request.request_id)
 
         def check() -> None:
@@ -181,7 +184,7 @@ class PrefillWorker:
                 self.queued -= 1
                 self.running += 1
             try:
-                return self._run(request, ids, ends, check, time_remaining)
+                return self._run(request, ids, ends, check, time_remaining, images)
             finally:
                 with self._lock:
                     self.running -= 1
@@ -201,10 +204,13 @@ class PrefillWorker:
         while not self._workers.acquire(timeout=_POLL_S):
             check()
 
-    def _run(self, request, ids: list[int], ends: list[int], check, time_remaining):
+    def _run(self, request, ids: list[int], ends: list[int], check, time_remaining,
+             images: PromptImages | None = None):
+        # Images key the cache by their content (k3.services.vision.keys), so cache traffic uses key ids.
+        keys = images.key_ids if images is not None else ids
         state = None
         if self.checkpoints is not None:
-            state = self.checkpoints.restore(ids, ends, check)
+            state = self.checkpoints.restore(keys, ends, check)
         cached = state.num_tokens if state is not None else 0
         pos, logits, stored = cached, None, 0
         cuts = sorted({*range(BLOCK_TOKENS, len(ids) + 1, BLOCK_TOKENS), *ends, len(ids)})
@@ -212,24 +218,27 @@ class PrefillWorker:
         while pos < len(ids):
             check()
             end = min(next(c for c in cuts if c > pos), pos + self.settings.prefill_chunk)
-            out, state = self.model.prefill(torch.tensor(ids[pos:end], dtype=torch.long, device=self.device), state)
+            visual = slice_visual(images.visual, pos, end) if images is not None else None
+            out, state = self.model.prefill(torch.tensor(ids[pos:end], dtype=torch.long, device=self.device), state,
+                                            visual)
             logits = out[-1]
             with self._lock:
                 self.tokens_processed += end - pos
             self._tokens.add(end - pos, {"phase": "prompt"})
             if self.checkpoints is not None and (end % BLOCK_TOKENS == 0 or end in message_ends):
                 check()
-                stored += self.checkpoints.save(ids, state, mla_from=pos)
+                stored += self.checkpoints.save(keys, state, mla_from=pos)
             pos = end
         check()
         self._hand_off(request.request_id, request.decode_address, state, logits, ids, cached, check,
-                       time_remaining)
+                       time_remaining, keys if images is not None else None)
         return engine_pb2.PrefillResponse(request_id=request.request_id, prompt_tokens=len(ids),
                                           cached_tokens=cached, computed_tokens=len(ids) - cached,
                                           checkpoints_stored=stored)
 
     def _hand_off(self, request_id: str, address: str, state, logits, ids: Sequence[int], cached: int,
-                  check: Callable[[], None], time_remaining: Callable[[], float | None]) -> None:
+                  check: Callable[[], None], time_remaining: Callable[[], float | None],
+                  key_ids: Sequence[int] | None = None) -> None:
         remaining = time_remaining()
         timeout = self.settings.handoff_timeout_s if remaining is None else min(remaining,
                                                                                 self.settings.handoff_timeout_s)
@@ -237,7 +246,7 @@ class PrefillWorker:
             self._hand_off_dist(request_id, address, state, logits, ids, cached, check, timeout)
             return
         chunks = handoff_chunks(request_id, state.to_bytes(), logits, ids, cached,
-                                self.settings.handoff_chunk_bytes)
+                                self.settings.handoff_chunk_bytes, key_ids=key_ids)
         stub = engine_pb2_grpc.DecodeStub(self._channel(address))
         future = stub.Handoff.future(chunks, timeout=timeout)
         while True:

@@ -9,7 +9,9 @@ takes. Beyond what rendering itself requires, the API refuses what would make a 
   call of that message has, more results than calls, or a ``name`` that differs from the answered call's;
 - ``tools_json`` that is not a JSON list of ``{"type": "function", "function": {"name": ...}}`` objects with
   distinct names; ``response_format_json`` that is not a JSON object;
-- images: they need the vision service; until one is configured such a request is FAILED_PRECONDITION.
+- images: each image part becomes one placeholder and an ``ImageInput`` naming its field; the servicer has
+  them encoded and expanded (``k3.services.router.images``), or refuses them with FAILED_PRECONDITION when no
+  vision service is configured.
 
 Arguments given as a JSON string that is not valid JSON are passed on (XTML writes them raw, as the model
 may have produced them); valid JSON that is not an object is refused by the renderer.
@@ -36,8 +38,9 @@ from k3.model.xtml import ArgumentDelta, StreamParser, TextDelta, XTMLRenderErro
 from k3.model.xtml import ToolCallDelta as XToolCallDelta
 from k3.model.xtml.render import EFFORTS, ROLES, TOOL_CHOICES, loads_json
 from k3.protos.v1 import inference_pb2
-from k3.services.common.errors import FailedPrecondition, InvalidArgument
+from k3.services.common.errors import InvalidArgument
 from k3.services.router.config import LimitsConfig
+from k3.services.router.images import ImageInput
 
 END_OF_MESSAGE = "<|end_of_msg|>"
 
@@ -47,6 +50,8 @@ class ChatPrompt:
     token_ids: list[int]
     message_ends: list[int]
     thinking: bool
+    images: list[ImageInput] = field(default_factory=list)
+    """The image parts in prompt order (one placeholder each in ``token_ids``)."""
 
 
 def _json(text: str, field: str) -> Any:
@@ -89,7 +94,7 @@ def parse_tools(tools_json: str) -> tuple[list[dict[str, Any]], set[str]]:
     return tools, names
 
 
-def _content(message: inference_pb2.ChatMessage, where: str) -> Any:
+def _content(message: inference_pb2.ChatMessage, where: str, images: list[ImageInput]) -> Any:
     if not message.parts:
         return message.content
     if message.content:
@@ -100,18 +105,17 @@ def _content(message: inference_pb2.ChatMessage, where: str) -> Any:
         if kind == "text":
             parts.append({"type": "text", "text": part.text})
         elif kind == "image":
-            raise FailedPrecondition(
-                "no vision service configured: images cannot be served yet", field=f"{where}.parts[{j}].image",
-                reason="NO_VISION_SERVICE",
-            )
+            images.append(ImageInput(part.image, f"{where}.parts[{j}].image"))
+            parts.append({"type": "image"})
         else:
             raise InvalidArgument(f"{where}.parts[{j}]", "an empty part (neither text nor image)", reason="EMPTY")
     return parts
 
 
 def convert_messages(request: inference_pb2.ChatRequest, tool_names: set[str],
-                     limits: LimitsConfig) -> list[dict[str, Any]]:
-    """Proto messages -> render dicts, validated (module docstring)."""
+                     limits: LimitsConfig, images: list[ImageInput] | None = None) -> list[dict[str, Any]]:
+    """Proto messages -> render dicts, validated (module docstring); image parts are appended to ``images``."""
+    images = [] if images is None else images
     if not request.messages:
         raise InvalidArgument("messages", "must not be empty", reason="EMPTY")
     if len(request.messages) > limits.max_messages:
@@ -133,7 +137,7 @@ def convert_messages(request: inference_pb2.ChatRequest, tool_names: set[str],
                                           reason="NOT_ALLOWED")
         if m.role != "tool" and m.tool_call_id:
             raise InvalidArgument(f"{where}.tool_call_id", "only tool messages answer a call", reason="NOT_ALLOWED")
-        message: dict[str, Any] = {"role": m.role, "content": _content(m, where)}
+        message: dict[str, Any] = {"role": m.role, "content": _content(m, where, images)}
         size += len(m.content.encode()) + len(m.reasoning_content.encode())
         size += sum(len(p.text.encode()) for p in m.parts)
         if m.name and m.role != "tool":
@@ -222,7 +226,8 @@ def proto_path(render_path: str) -> str:
 def build_prompt(request: inference_pb2.ChatRequest, tokenizer: Any, limits: LimitsConfig) -> ChatPrompt:
     """Validate ``request`` and render it to prompt ids (module docstring)."""
     tools, names = parse_tools(request.tools_json)
-    messages = convert_messages(request, names, limits)
+    images: list[ImageInput] = []
+    messages = convert_messages(request, names, limits, images)
     effort = request.thinking_effort or "max"
     if effort not in (*EFFORTS, "none"):
         raise InvalidArgument("thinking_effort", f"expected low, high, max or none, got {request.thinking_effort!r}",
@@ -249,7 +254,7 @@ def build_prompt(request: inference_pb2.ChatRequest, tokenizer: Any, limits: Lim
         raise InvalidArgument(proto_path(path), problem, reason="RENDER_ERROR") from None
     end = tokenizer.special_id(END_OF_MESSAGE)
     ends = [i + 1 for i, token in enumerate(ids) if token == end]
-    return ChatPrompt(token_ids=ids, message_ends=ends, thinking=thinking)
+    return ChatPrompt(token_ids=ids, message_ends=ends, thinking=thinking, images=images)
 
 
 @dataclass

@@ -46,6 +46,13 @@ class UpstreamConfig:
     retry_unavailable_seconds: float = documented(
         2.0, doc="A worker that failed a call is skipped for this long unless every worker failed."
     )
+    vision: str | None = documented(
+        None, doc="host:port of the vision service that encodes images; None = requests with images are "
+        "refused with FAILED_PRECONDITION."
+    )
+    vision_timeout_seconds: float = documented(
+        60.0, doc="Longest wait for the vision service to encode a request's images (within its deadline)."
+    )
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -54,12 +61,15 @@ class UpstreamConfig:
                 raise ConfigError("needs at least one host:port", field=name)
             _check_addresses(addresses, name)
         _check_addresses(self.cache, "cache")
+        if self.vision is not None:
+            _check_addresses([self.vision], "vision")
         if len(self.cache) not in (0, 1, len(self.prefill)):
             raise ConfigError(
                 f"give one shared store or one per prefill worker ({len(self.prefill)}), got {len(self.cache)}",
                 field="cache",
             )
-        for name in ("load_refresh_seconds", "probe_timeout_seconds", "retry_unavailable_seconds"):
+        for name in ("load_refresh_seconds", "probe_timeout_seconds", "retry_unavailable_seconds",
+                     "vision_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"must be > 0, got {getattr(self, name)}", field=name)
 

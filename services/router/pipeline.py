@@ -98,6 +98,8 @@ class Job:
     sampling: inference_pb2.SamplingParams  # max_tokens resolved (never 0)
     stop_token_ids: list[int]
     prompt_field: str  # where the prompt came from in the client's request (for error fields)
+    images: list[engine_pb2.VisualInput] = field(default_factory=list)  # visual tokens for prefill
+    key_ids: list[int] | None = None  # cache-key ids when images make them differ from token_ids
 
 
 @dataclass
@@ -229,7 +231,7 @@ class Pipeline:
 
     def _admitted(self, job: Job, flight: InFlight, deadline: float | None,
                   clock: RequestClock) -> Iterator[Event]:
-        keys = chain_block_hashes(job.token_ids)
+        keys = chain_block_hashes(job.key_ids if job.key_ids is not None else job.token_ids)
         choice = self.router.choose_prefill(keys)
         decode = self.router.choose_decode()
         prefill = choice.worker
@@ -287,7 +289,7 @@ class Pipeline:
                  deadline: float | None) -> engine_pb2.PrefillResponse | None:
         request = engine_pb2.PrefillRequest(
             request_id=job.request_id, token_ids=job.token_ids, message_ends=job.message_ends,
-            decode_address=decode.address,
+            decode_address=decode.address, images=job.images,
         )
         future = prefill.stub.Prefill.future(request, timeout=_timeout(deadline))
         self._track(flight, future)

@@ -9,6 +9,9 @@ Design decisions:
   later request continuing the same ids restores it. Chat: messages are rendered as XTML
   (``k3.services.router.chat``); it stops at ``<|end_of_msg|>`` (or ``<|eos|>``), and its finish reason is
   ``tool_calls`` when the answer called tools and ended normally.
+- Images (Chat image parts, Generate ``images`` with one placeholder id each in ``prompt_token_ids``) are
+  encoded by the vision service and expanded into the prompt before admission
+  (``k3.services.router.images``); the prompt limits apply to the expanded prompt.
 - The gRPC done-callback of each call is what notices a client that went away or a deadline that passed;
   it cancels the request's downstream work (``Pipeline.cancel``).
 - The router has its own ``Telemetry`` (from the same ``server`` settings as the gRPC server's): its meter
@@ -32,6 +35,7 @@ from k3.services.router import validation
 from k3.services.router.admission import Admission
 from k3.services.router.chat import ChatOutput, build_prompt
 from k3.services.router.config import ModelInfo, RouterServiceConfig, resolve_model
+from k3.services.router.images import ImageInput, ImageResolver, check_placeholders, no_vision
 from k3.services.router.latency import LatencyRecorder
 from k3.services.router.pipeline import CLIENT_GONE, DEADLINE, Event, Finished, InFlight, Job, Pipeline
 from k3.services.router.routing import PrefixIndex, Router, Worker, WorkerPool
@@ -47,8 +51,10 @@ NO_DEADLINE_SECONDS = 1e8
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, config: RouterServiceConfig, model: ModelInfo, pipeline: Pipeline):
+    def __init__(self, config: RouterServiceConfig, model: ModelInfo, pipeline: Pipeline,
+                 images: ImageResolver | None = None):
         self._config = config
+        self._images = images
         self._limits = config.limits
         self._model = model
         self._pipeline = pipeline
@@ -74,8 +80,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             field = "prompt"
             validation.check_prompt_text(request.prompt, limits, field)
             ids = self._model.tokenizer.encode_text(request.prompt)
-        sampling = self._sampling(request.sampling, len(ids), field)
-        job = Job("generate", request.request_id, ids, [len(ids)], sampling, self._generate_stop, field)
+        images = [ImageInput(ref, f"images[{i}]") for i, ref in enumerate(request.images)]
+        job = self._with_images(Job("generate", request.request_id, ids, [len(ids)], request.sampling,
+                                    self._generate_stop, field), images, context)
+        job.sampling = self._sampling(request.sampling, len(job.token_ids), field)
 
         def convert(event: Event, request_id: str) -> Iterator[inference_pb2.GenerateResponse]:
             if isinstance(event, Finished):
@@ -96,9 +104,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         validation.check_request_id(request.request_id, self._limits)
         validation.check_sampling(request.sampling, self._limits)
         prompt = build_prompt(request, self._model.tokenizer, self._limits)
-        sampling = self._sampling(request.sampling, len(prompt.token_ids), "messages")
-        job = Job("chat", request.request_id, prompt.token_ids, prompt.message_ends, sampling, self._chat_stop,
-                  "messages")
+        job = self._with_images(Job("chat", request.request_id, prompt.token_ids, prompt.message_ends,
+                                    request.sampling, self._chat_stop, "messages"), prompt.images, context)
+        job.sampling = self._sampling(request.sampling, len(job.token_ids), "messages")
         output = ChatOutput(self._model.tokenizer, prompt.thinking)
 
         def convert(event: Event, request_id: str) -> Iterator[inference_pb2.ChatResponse]:
@@ -131,6 +139,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.AbortResponse(found=self._pipeline.abort(request.request_id))
 
     # -- shared ----------------------------------------------------------------------------------------------------
+    def _with_images(self, job: Job, images: list[ImageInput], context) -> Job:
+        """``job`` with its images encoded and expanded into the prompt (``images`` module); a prompt with
+        placeholder ids needs as many images."""
+        if not images:
+            check_placeholders(job.token_ids, images, job.prompt_field)
+            return job
+        if self._images is None:
+            raise no_vision(images)
+        check_placeholders(job.token_ids, images, job.prompt_field)
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and remaining < NO_DEADLINE_SECONDS else None
+        resolved = self._images.resolve(job.token_ids, images, job.prompt_field, timeout)
+        limit = self._limits.max_prompt_tokens
+        if len(resolved.token_ids) > limit:
+            raise InvalidArgument(job.prompt_field, f"has {len(resolved.token_ids)} tokens with its images' visual "
+                                  f"tokens, more than the limit of {limit}", reason="PROMPT_TOO_LARGE")
+        job.token_ids, job.key_ids, job.images = resolved.token_ids, resolved.key_ids, resolved.images
+        job.message_ends = [resolved.shift(end) for end in job.message_ends]
+        return job
+
     def _sampling(self, sampling: inference_pb2.SamplingParams, prompt_tokens: int,
                   prompt_field: str) -> inference_pb2.SamplingParams:
         resolved = inference_pb2.SamplingParams()
@@ -187,6 +215,8 @@ class RouterService:
         self.totals = UsageTotals(config.prices, meter)
         self.pipeline = Pipeline(self.router, self.admission, config.prices, self.totals, up.probe_timeout_seconds,
                                  LatencyRecorder(meter))
+        self.images = (ImageResolver(up.vision, self._channel(up.vision), up.vision_timeout_seconds)
+                       if up.vision is not None else None)
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
@@ -197,7 +227,7 @@ class RouterService:
         return self.pipeline.in_flight()
 
     def add_to_server(self, server: grpc.Server) -> None:
-        servicer = InferenceServicer(self.config, self.model, self.pipeline)
+        servicer = InferenceServicer(self.config, self.model, self.pipeline, self.images)
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
 
     def close(self) -> None:

@@ -10,9 +10,11 @@ as another's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,18 +25,39 @@ from k3.services.common.config import ConfigError, ServerConfig, documented
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def encoder_folder(path: str) -> Path:
+    """``path`` itself if it is an encoder checkpoint, else the ``vision/`` folder of the multimodal checkpoint
+    (or run folder's latest checkpoint) at ``path``; ``ValueError`` if neither."""
+    from k3.model.checkpoint import CheckpointError
+    from k3.model.vision.checkpoint import CONFIG_FILE
+    from k3.model.vision_sft import vision_checkpoint_folder
+
+    if (Path(path) / CONFIG_FILE).is_file():
+        return Path(path)
+    try:
+        return vision_checkpoint_folder(path)
+    except CheckpointError as exc:
+        raise ValueError(f"encoder.checkpoint: {path!r} is neither a vision encoder checkpoint nor a "
+                         f"multimodal checkpoint ({exc})") from None
+
+
 @dataclass
 class EncoderSourceConfig:
     """Which vision encoder the service runs."""
 
     checkpoint: str | None = documented(
-        None, doc="Encoder checkpoint folder (vision_config.json + model.safetensors); exclusive with preset."
+        None, doc="Encoder checkpoint folder (vision_config.json + model.safetensors), or a multimodal "
+        "training checkpoint or run folder holding one in vision/; exclusive with preset."
     )
     preset: str | None = documented(
         None, doc=f"Vision preset ({', '.join(VISION_PRESETS)}) with random weights from seed; "
         "exclusive with checkpoint."
     )
     seed: int = documented(0, doc="Seed of a preset encoder's random weights.")
+    lm_hidden_size: int | None = documented(
+        None, doc="Projector output width of a preset encoder (the language model's hidden size); None keeps "
+        "the preset's."
+    )
     dtype: str = documented("float32", doc=f"Parameter and output dtype: one of {', '.join(DTYPES)}.")
     device: str = documented("cpu", doc="torch device to run on, e.g. cpu or cuda:0.")
 
@@ -48,6 +71,8 @@ class EncoderSourceConfig:
             raise ConfigError(f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}", field="dtype")
         if self.seed < 0:
             raise ConfigError(f"must be >= 0, got {self.seed}", field="seed")
+        if self.lm_hidden_size is not None and self.lm_hidden_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.lm_hidden_size}", field="lm_hidden_size")
 
     def load(self):
         """``(VisionEncoder in eval mode, identity hex string)``; ``ValueError`` if none is configured."""
@@ -56,12 +81,16 @@ class EncoderSourceConfig:
         from k3.model.vision.encoder import VisionEncoder
 
         if self.checkpoint is not None:
-            encoder = load_encoder(self.checkpoint, device=self.device)
-            weights = f"file:{weights_digest(self.checkpoint)}"
+            folder = encoder_folder(self.checkpoint)
+            encoder = load_encoder(folder, device=self.device)
+            weights = f"file:{weights_digest(folder)}"
         elif self.preset is not None:
+            cfg = get_vision_preset(self.preset)
+            if self.lm_hidden_size is not None:
+                cfg = dataclasses.replace(cfg, lm_hidden_size=self.lm_hidden_size)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                encoder = VisionEncoder(get_vision_preset(self.preset))
+                encoder = VisionEncoder(cfg)
             weights = f"preset:{self.preset}:seed:{self.seed}"
         else:
             raise ValueError("encoder: set encoder.checkpoint (a trained encoder) or encoder.preset (random "

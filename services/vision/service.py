@@ -24,6 +24,8 @@ Design decisions:
   once and reported as a miss for each occurrence.
 - Without ``cache_address`` the cache is in-process (the cache store's LRU memory tier); with it, the cache
   store service, where entries show in its Stats like any other block.
+- ``Stats`` counts requests, media, cache hits and misses, tokens encoded and the time spent in the encoder
+  since the service started (a repeated image shows as a hit and adds no encoder time).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -87,6 +90,27 @@ def parse_content_hash(text: str, field: str) -> bytes:
     return key
 
 
+@dataclass
+class VisionCounters:
+    """What ``Stats`` reports (guarded by ``lock``)."""
+
+    requests: int = 0
+    media: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    tokens_encoded: int = 0
+    encode_seconds: float = 0.0
+    rejected: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def to_proto(self) -> vision_pb2.VisionStatsResponse:
+        with self.lock:
+            return vision_pb2.VisionStatsResponse(
+                requests=self.requests, media=self.media, cache_hits=self.cache_hits,
+                cache_misses=self.cache_misses, tokens_encoded=self.tokens_encoded,
+                encode_seconds=self.encode_seconds, rejected=self.rejected)
+
+
 class VisionServicer(vision_pb2_grpc.VisionServicer):
     """Encode over a vision encoder and a token cache (see the module docstring)."""
 
@@ -100,6 +124,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self._settings = settings
         self._max_message_bytes = max_message_bytes
         self._forward_lock = threading.Lock()
+        self.counters = VisionCounters()
 
     # ---- validation ---------------------------------------------------------------------------------------
 
@@ -198,12 +223,35 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
                 raise DeadlineExceeded("the call ended before encoding finished")
             batch = pack([patched[key] for key in keys])
             with self._forward_lock, torch.inference_mode():
+                started = time.perf_counter()
                 tokens = self._encoder(batch)
+                spent = time.perf_counter() - started
+            with self.counters.lock:
+                self.counters.encode_seconds += spent
+                self.counters.tokens_encoded += tokens.shape[0]
             for key, chunk in zip(keys, tokens.split(batch.token_counts), strict=True):
                 out[key] = _Tokens(tensors.to_proto(chunk), patched[key].grid, cache_hit=False)
         return out
 
+    def Stats(self, request: vision_pb2.VisionStatsRequest, context) -> vision_pb2.VisionStatsResponse:
+        return self.counters.to_proto()
+
     def Encode(self, request: vision_pb2.EncodeRequest, context) -> vision_pb2.EncodeResponse:
+        try:
+            response = self._encode_request(request, context)
+        except Exception:
+            with self.counters.lock:
+                self.counters.rejected += 1
+            raise
+        hits = sum(1 for media in response.media if media.cache_hit)
+        with self.counters.lock:
+            self.counters.requests += 1
+            self.counters.media += len(response.media)
+            self.counters.cache_hits += hits
+            self.counters.cache_misses += len(response.media) - hits
+        return response
+
+    def _encode_request(self, request: vision_pb2.EncodeRequest, context) -> vision_pb2.EncodeResponse:
         items = self._decode(request)
         results: dict[bytes, _Tokens] = {}
         misses: dict[bytes, DecodedMedia] = {}

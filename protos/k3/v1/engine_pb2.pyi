@@ -1,3 +1,4 @@
+from k3.protos.v1 import common_pb2 as _common_pb2
 from k3.protos.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -8,16 +9,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "message_ends", "decode_address")
+    __slots__ = ("request_id", "token_ids", "message_ends", "decode_address", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ENDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     message_ends: _containers.RepeatedScalarFieldContainer[int]
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., message_ends: _Optional[_Iterable[int]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[VisualInput]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., message_ends: _Optional[_Iterable[int]] = ..., decode_address: _Optional[str] = ..., images: _Optional[_Iterable[_Union[VisualInput, _Mapping]]] = ...) -> None: ...
+
+class VisualInput(_message.Message):
+    __slots__ = ("start", "content_hash", "embeddings")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    content_hash: str
+    embeddings: _common_pb2.Tensor
+    def __init__(self, start: _Optional[int] = ..., content_hash: _Optional[str] = ..., embeddings: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "cached_tokens", "computed_tokens", "checkpoints_stored")
@@ -34,20 +47,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., checkpoints_stored: _Optional[int] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
-    __slots__ = ("request_id", "state", "last_logits", "total_bytes", "token_ids", "cached_tokens")
+    __slots__ = ("request_id", "state", "last_logits", "total_bytes", "token_ids", "cached_tokens", "key_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEY_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: bytes
     last_logits: bytes
     total_bytes: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[bytes] = ..., last_logits: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    key_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[bytes] = ..., last_logits: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., key_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffAck(_message.Message):
     __slots__ = ("request_id", "slot")

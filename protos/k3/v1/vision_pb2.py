@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from k3.protos.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/vision.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"_\n\x05Media\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12#\n\x05video\x18\x02 \x01(\x0b\x32\x12.k3.v1.VideoFramesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x11\n\tcontainer\x18\x02 \x01(\x0c\",\n\rEncodeRequest\x12\x1b\n\x05media\x18\x01 \x03(\x0b\x32\x0c.k3.v1.Media\"d\n\x0c\x45ncodedMedia\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x1d\n\x06tokens\x18\x02 \x01(\x0b\x32\r.k3.v1.Tensor\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0c\n\x04grid\x18\x04 \x03(\x03\"4\n\x0e\x45ncodeResponse\x12\"\n\x05media\x18\x01 \x03(\x0b\x32\x13.k3.v1.EncodedMedia2?\n\x06Vision\x12\x35\n\x06\x45ncode\x12\x14.k3.v1.EncodeRequest\x1a\x15.k3.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/vision.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"_\n\x05Media\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12#\n\x05video\x18\x02 \x01(\x0b\x32\x12.k3.v1.VideoFramesH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x03 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x11\n\tcontainer\x18\x02 \x01(\x0c\",\n\rEncodeRequest\x12\x1b\n\x05media\x18\x01 \x03(\x0b\x32\x0c.k3.v1.Media\"d\n\x0c\x45ncodedMedia\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x1d\n\x06tokens\x18\x02 \x01(\x0b\x32\r.k3.v1.Tensor\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0c\n\x04grid\x18\x04 \x03(\x03\"4\n\x0e\x45ncodeResponse\x12\"\n\x05media\x18\x01 \x03(\x0b\x32\x13.k3.v1.EncodedMedia\"\x14\n\x12VisionStatsRequest\"\xa2\x01\n\x13VisionStatsResponse\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\r\n\x05media\x18\x02 \x01(\x03\x12\x12\n\ncache_hits\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x04 \x01(\x03\x12\x16\n\x0etokens_encoded\x18\x05 \x01(\x03\x12\x16\n\x0e\x65ncode_seconds\x18\x06 \x01(\x01\x12\x10\n\x08rejected\x18\x07 \x01(\x03\x32\x7f\n\x06Vision\x12\x35\n\x06\x45ncode\x12\x14.k3.v1.EncodeRequest\x1a\x15.k3.v1.EncodeResponse\x12>\n\x05Stats\x12\x19.k3.v1.VisionStatsRequest\x1a\x1a.k3.v1.VisionStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEDMEDIA']._serialized_end=342
   _globals['_ENCODERESPONSE']._serialized_start=344
   _globals['_ENCODERESPONSE']._serialized_end=396
-  _globals['_VISION']._serialized_start=398
-  _globals['_VISION']._serialized_end=461
+  _globals['_VISIONSTATSREQUEST']._serialized_start=398
+  _globals['_VISIONSTATSREQUEST']._serialized_end=418
+  _globals['_VISIONSTATSRESPONSE']._serialized_start=421
+  _globals['_VISIONSTATSRESPONSE']._serialized_end=583
+  _globals['_VISION']._serialized_start=585
+  _globals['_VISION']._serialized_end=712
 # @@protoc_insertion_point(module_scope)

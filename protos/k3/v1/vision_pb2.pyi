@@ -48,3 +48,25 @@ class EncodeResponse(_message.Message):
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     media: _containers.RepeatedCompositeFieldContainer[EncodedMedia]
     def __init__(self, media: _Optional[_Iterable[_Union[EncodedMedia, _Mapping]]] = ...) -> None: ...
+
+class VisionStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VisionStatsResponse(_message.Message):
+    __slots__ = ("requests", "media", "cache_hits", "cache_misses", "tokens_encoded", "encode_seconds", "rejected")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    media: int
+    cache_hits: int
+    cache_misses: int
+    tokens_encoded: int
+    encode_seconds: float
+    rejected: int
+    def __init__(self, requests: _Optional[int] = ..., media: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., tokens_encoded: _Optional[int] = ..., encode_seconds: _Optional[float] = ..., rejected: _Optional[int] = ...) -> None: ...

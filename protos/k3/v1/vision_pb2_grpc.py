@@ -39,6 +39,11 @@ class VisionStub:
                 request_serializer=k3_dot_v1_dot_vision__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_vision__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/k3.v1.Vision/Stats',
+                request_serializer=k3_dot_v1_dot_vision__pb2.VisionStatsRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_vision__pb2.VisionStatsResponse.FromString,
+                _registered_method=True)
 
 
 class VisionServicer:
@@ -50,6 +55,13 @@ class VisionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Counters since the service started: how much was encoded and how much came from the cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VisionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_VisionServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=k3_dot_v1_dot_vision__pb2.EncodeRequest.FromString,
                     response_serializer=k3_dot_v1_dot_vision__pb2.EncodeResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=k3_dot_v1_dot_vision__pb2.VisionStatsRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_vision__pb2.VisionStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Vision:
             '/k3.v1.Vision/Encode',
             k3_dot_v1_dot_vision__pb2.EncodeRequest.SerializeToString,
             k3_dot_v1_dot_vision__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.Vision/Stats',
+            k3_dot_v1_dot_vision__pb2.VisionStatsRequest.SerializeToString,
+            k3_dot_v1_dot_vision__pb2.VisionStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
