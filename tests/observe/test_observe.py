@@ -148,6 +148,22 @@ def test_metrics_ports_are_assigned_to_every_launched_service():
         assign_metrics_ports({"decode": {"server": {"metrics": False}}}, ["decode"], "127.0.0.1")
 
 
+def test_expert_pools_get_consecutive_metrics_ports_in_one_job():
+    config = LaunchConfig(preset="tiny", expert_pools=3)
+    prometheus = observe_launch(config, ObserveConfig(port=0))
+    base = config.services["experts"]["server"]["metrics_port"]
+    assert prometheus.targets["experts"] == [f"127.0.0.1:{base + i}" for i in range(3)]  # the launcher adds i
+    body = prometheus_config(prometheus.targets, 5.0)
+    (job,) = [j for j in body["scrape_configs"] if j["job_name"] == "k3-experts"]
+    assert job["static_configs"] == [{"targets": prometheus.targets["experts"], "labels": {"service": "experts"}}]
+    kept = LaunchConfig(services={"experts": {"server": {"metrics_port": 9600}}}, preset="tiny", expert_pools=2)
+    assert observe_launch(kept, ObserveConfig(port=0)).targets["experts"] == ["127.0.0.1:9600", "127.0.0.1:9601"]
+    assert "experts" not in observe_launch(LaunchConfig(preset="tiny"), ObserveConfig(port=0)).targets
+    with pytest.raises(ValueError, match=r"experts\.server\.metrics is false; --observe needs metrics on"):
+        observe_launch(LaunchConfig(services={"experts": {"server": {"metrics": False}}}, preset="tiny",
+                                    expert_pools=1), ObserveConfig(port=0))
+
+
 def test_bad_observe_settings_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"observe\.scrape_interval_s must be >= 1 \(Prometheus' resolution\)"):
         ObserveConfig(scrape_interval_s=0.5)
