@@ -8,6 +8,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -20,6 +21,7 @@ from k3.services.cache.service import CacheServiceConfig, build
 from k3.services.common.client import make_channel
 from k3.services.common.config import ServerConfig
 from k3.services.common.telemetry import setup_telemetry
+from k3.services.engine import tracing as engine_tracing
 
 pytestmark = pytest.mark.timeout(60)
 RELAY = "k3.test.Relay"
@@ -207,3 +209,37 @@ def test_telemetry_off_records_nothing():
     assert not telemetry.tracer().start_span("s").get_span_context().is_valid
     no_endpoint = setup_telemetry("x", ServerConfig())
     assert not no_endpoint.tracing and not no_endpoint.metrics
+
+
+def test_an_engine_step_joins_the_oldest_request_and_links_the_others():
+    exporter = InMemorySpanExporter()
+    telemetry = setup_telemetry("decode", ServerConfig(metrics=False), span_exporter=exporter)
+    tracer = telemetry.tracer()
+    contexts = []
+    for name in ("first", "second"):
+        with tracer.start_as_current_span(name):
+            contexts.append(engine_tracing.capture())  # as Engine.submit/resume do in the handler thread
+    first, second = (trace.get_current_span(c).get_span_context() for c in contexts)
+
+    def scheduler():  # another thread: nothing is current there
+        assert not trace.get_current_span().get_span_context().is_valid
+        with engine_tracing.step_span(tracer, "k3.engine.decode_step", [*contexts, None], {"k3.engine.batch": 2}):
+            inner.append(trace.get_current_span().get_span_context())
+        with engine_tracing.step_span(None, "untraced", contexts):
+            inner.append(trace.get_current_span().get_span_context())
+        with engine_tracing.attached(contexts[1]):
+            inner.append(trace.get_current_span().get_span_context())
+
+    inner: list = []
+    thread = threading.Thread(target=scheduler)
+    thread.start()
+    thread.join()
+    (step,) = [s for s in exporter.get_finished_spans() if s.name == "k3.engine.decode_step"]
+    assert step.parent.span_id == first.span_id and step.context.trace_id == first.trace_id
+    assert [link.context.span_id for link in step.links] == [second.span_id]
+    assert step.attributes["k3.engine.batch"] == 2 and step.kind == SpanKind.INTERNAL
+    assert inner[0].span_id == step.context.span_id
+    assert inner[1].span_id == first.span_id  # no tracer: the oldest request's context, no new span
+    assert inner[2].span_id == second.span_id
+    with engine_tracing.step_span(tracer, "nothing", [None]):  # no request context at all: no span
+        assert not trace.get_current_span().get_span_context().is_valid
