@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from concurrent.futures import Future
 import threading
 import time
 import uuid
@@ -73,6 +74,23 @@ FinalStateCallback = Callable[[SequenceState, list[int], int], None]
 token ids and the prompt's length."""
 
 
+@dataclass
+class PausedSequence:
+    """A request taken out of the engine mid-generation by ``Engine.pause`` (partial rollout).
+
+    ``state`` covers the first ``state.num_tokens`` of ``token_ids`` (``None`` when nothing ran yet); the tokens
+    after it (at least the last sampled token, which the model has not consumed) still have to be run before
+    generating again, under whatever weights the caller resumes with.
+    """
+
+    request_id: str
+    state: SequenceState | None
+    token_ids: list[int]
+    """Prompt followed by every token generated so far."""
+    prompt_len: int
+    generated: int
+
+
 class Phase(enum.Enum):
     WAITING = "waiting"      # queued for a slot / pages
     PREFILL = "prefill"      # prompt tokens left to run
@@ -110,6 +128,8 @@ class _Sequence:
     parked_deadline: float = 0.0
     trace_context: Context | None = None
     """The OpenTelemetry context of the caller that submitted or resumed it (``tracing``)."""
+    pause_future: Future | None = None
+    """Set by ``pause``: the scheduler takes the sequence out at its next step and resolves it."""
 
 
 class Engine:
@@ -240,6 +260,43 @@ class Engine:
         Returns whether it was found."""
         with self._lock:
             return self._abort_locked(self._by_id.get(request_id))
+
+    def pause(self, request_id: str) -> Future:
+        """Take a request out of the engine keeping what it computed (partial rollout); returns a ``Future``.
+
+        The future resolves to a ``PausedSequence`` (the stream then ends with a ``finish_reason == "pause"``
+        event) or to ``None`` when the request had already produced its last token or is unknown (its stream
+        ends as it would have). A queued request is paused with no state; a running one at its next step, with
+        a copy of its slot and pages, so its memory is free at once and ``load_state`` + ``resume`` (on this
+        or another engine, under the same or newer weights) continues it.
+        """
+        future: Future = Future()
+        with self._lock:
+            seq = self._by_id.get(request_id)
+            if seq is None or seq.finished or seq.abort_requested or seq.phase is Phase.PARKED:
+                future.set_result(None)
+            elif seq.phase is Phase.WAITING:
+                self._waiting.remove(seq)
+                future.set_result(self._take_paused(seq, with_state=False))
+            else:
+                if seq.pause_future is not None:
+                    return seq.pause_future
+                seq.pause_future = future
+                self._wakeup.notify()
+        return future
+
+    def _take_paused(self, seq: _Sequence, *, with_state: bool) -> PausedSequence:
+        """Copy out ``seq``'s state, end its stream with a pause event and free it (lock held)."""
+        state = None
+        if with_state and seq.num_tokens > 0:
+            state = SequenceState(self._config_hash, seq.num_tokens, kda=self.slots.snapshot(seq.slot),
+                                  mla=self.pages.gather(seq.pages, seq.num_tokens))
+        paused = PausedSequence(seq.request_id, state, list(seq.tokens), seq.prompt_len, seq.generated)
+        if seq.stream is not None:
+            seq.stream._put(TokenEvent(seq.request_id, None, finish_reason="pause", step=self._steps,
+                                       usage=self._usage(seq)))
+        self._release(seq)
+        return paused
 
     def _new_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id, lambda: self._abort_stream(stream), self._steps)
@@ -436,6 +493,7 @@ class Engine:
                 for seq in [s for s in self._by_id.values() if s.abort_requested]:
                     if seq.phase in (Phase.PREFILL, Phase.DECODE, Phase.ABSORB):
                         self._finish_aborted(seq)
+                self._take_pause_requests()
                 now = time.monotonic()
                 for seq in [s for s in self._by_id.values() if s.phase is Phase.PARKED]:
                     if seq.parked_deadline <= now:
@@ -449,6 +507,17 @@ class Engine:
                     return True
                 deadlines = [s.parked_deadline for s in self._by_id.values() if s.phase is Phase.PARKED]
                 self._wakeup.wait(timeout=max(0.0, min(deadlines) - now) if deadlines else None)
+
+    def _take_pause_requests(self) -> None:
+        """Resolve ``pause`` requests between steps (lock held). A sequence whose first token is still to be
+        sampled from handed-off logits waits one step, so a pause never drops logits it cannot return."""
+        for seq in [s for s in self._by_id.values() if s.pause_future is not None]:
+            if seq.finished or seq.abort_requested:
+                future, seq.pause_future = seq.pause_future, None
+                future.set_result(None)
+            elif seq.pending_logits is None:
+                future, seq.pause_future = seq.pause_future, None
+                future.set_result(self._take_paused(seq, with_state=True))
 
     def _step(self) -> None:
         if self._prefilling:
@@ -487,7 +556,6 @@ class Engine:
                     seq.stream._fail(error)
                     self.metrics.add_finished("error")
                 self._release(seq)
-
 
     def _state_of(self, seq: _Sequence) -> SequenceState:
         return SequenceState(self._config_hash, seq.num_tokens, kda=self.slots.views(seq.slot),
@@ -597,6 +665,9 @@ class Engine:
             self._first_sample.remove(seq)
         if seq.stream is not None:
             seq.stream._end()
+        if seq.pause_future is not None:  # finished, aborted or failed before the pause was taken
+            future, seq.pause_future = seq.pause_future, None
+            future.set_result(None)
 
     def _finish_aborted(self, seq: _Sequence, count: bool = True) -> None:
         """End ``seq`` with an abort event (lock held). A request that already sent its last event (closing

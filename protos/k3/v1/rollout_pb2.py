@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/rollout.proto\x12\x05k3.v1\"\x86\x01\n\x0eRolloutRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x02 \x01(\t\x12\x13\n\x0bnum_prompts\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x65\x66\x66ort\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\"\x1e\n\nRolloutAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\"&\n\x14RolloutStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"b\n\x15RolloutStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06paused\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\"\xc5\x01\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x12\n\noutput_ids\x18\x05 \x03(\x05\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x06 \x03(\x02\x12\x10\n\x08versions\x18\x07 \x03(\x03\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x13\n\x0b\x65nvironment\x18\t \x01(\t\x12\x0e\n\x06\x65\x66\x66ort\x18\n \x01(\t2\x90\x01\n\x07Rollout\x12\x39\n\rStartRollouts\x12\x15.k3.v1.RolloutRequest\x1a\x11.k3.v1.RolloutAck\x12J\n\rRolloutStatus\x12\x1b.k3.v1.RolloutStatusRequest\x1a\x1c.k3.v1.RolloutStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13k3/v1/rollout.proto\x12\x05k3.v1\"\x86\x01\n\x0eRolloutRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x02 \x01(\t\x12\x13\n\x0bnum_prompts\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x65\x66\x66ort\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\"1\n\nRolloutAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\"&\n\x14RolloutStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xad\x01\n\x15RolloutStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06paused\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x05\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x11\n\tpublished\x18\x05 \x01(\x03\x12\x16\n\x0e\x61\x64mitted_limit\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\"\xa0\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x12\n\noutput_ids\x18\x05 \x03(\x05\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x06 \x03(\x02\x12\x10\n\x08versions\x18\x07 \x03(\x03\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x13\n\x0b\x65nvironment\x18\t \x01(\t\x12\x0e\n\x06\x65\x66\x66ort\x18\n \x01(\t\x12\x11\n\tloss_mask\x18\x0b \x03(\x05\x12\x12\n\nproblem_id\x18\x0c \x01(\t\x12\x12\n\ngroup_size\x18\r \x01(\x05\x12\x16\n\x0everifier_score\x18\x0e \x01(\x01\x12\x0f\n\x07penalty\x18\x0f \x01(\x01\x12\x15\n\rreward_reason\x18\x10 \x01(\t\x12\x0e\n\x06\x64omain\x18\x11 \x01(\t\x12\x15\n\rfinish_reason\x18\x12 \x01(\t\x12\x11\n\tworker_id\x18\x13 \x01(\t\x12\x0e\n\x06pauses\x18\x14 \x01(\x05\x12\x14\n\x0ctoken_budget\x18\x15 \x01(\x05\"_\n\rWeightVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x03\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"]\n\nDeadLetter\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0e\n\x06reason\x18\x05 \x01(\t2\xdb\x01\n\x07Rollout\x12\x39\n\rStartRollouts\x12\x15.k3.v1.RolloutRequest\x1a\x11.k3.v1.RolloutAck\x12J\n\rRolloutStatus\x12\x1b.k3.v1.RolloutStatusRequest\x1a\x1c.k3.v1.RolloutStatusResponse\x12I\n\x0cStopRollouts\x12\x1b.k3.v1.RolloutStatusRequest\x1a\x1c.k3.v1.RolloutStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTREQUEST']._serialized_start=31
   _globals['_ROLLOUTREQUEST']._serialized_end=165
   _globals['_ROLLOUTACK']._serialized_start=167
-  _globals['_ROLLOUTACK']._serialized_end=197
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=199
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=237
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=239
-  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=337
-  _globals['_TRAJECTORY']._serialized_start=340
-  _globals['_TRAJECTORY']._serialized_end=537
-  _globals['_ROLLOUT']._serialized_start=540
-  _globals['_ROLLOUT']._serialized_end=684
+  _globals['_ROLLOUTACK']._serialized_end=216
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=218
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=256
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_start=259
+  _globals['_ROLLOUTSTATUSRESPONSE']._serialized_end=432
+  _globals['_TRAJECTORY']._serialized_start=435
+  _globals['_TRAJECTORY']._serialized_end=851
+  _globals['_WEIGHTVERSION']._serialized_start=853
+  _globals['_WEIGHTVERSION']._serialized_end=948
+  _globals['_DEADLETTER']._serialized_start=950
+  _globals['_DEADLETTER']._serialized_end=1043
+  _globals['_ROLLOUT']._serialized_start=1046
+  _globals['_ROLLOUT']._serialized_end=1265
 # @@protoc_insertion_point(module_scope)

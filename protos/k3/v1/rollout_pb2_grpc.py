@@ -44,6 +44,11 @@ class RolloutStub:
                 request_serializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
                 _registered_method=True)
+        self.StopRollouts = channel.unary_unary(
+                '/k3.v1.Rollout/StopRollouts',
+                request_serializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
+                response_deserializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -61,6 +66,12 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopRollouts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -71,6 +82,11 @@ def add_RolloutServicer_to_server(servicer, server):
             ),
             'RolloutStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.RolloutStatus,
+                    request_deserializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
+                    response_serializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.SerializeToString,
+            ),
+            'StopRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRollouts,
                     request_deserializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
                     response_serializer=k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.SerializeToString,
             ),
@@ -127,6 +143,33 @@ class Rollout:
             request,
             target,
             '/k3.v1.Rollout/RolloutStatus',
+            k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
+            k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3.v1.Rollout/StopRollouts',
             k3_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
             k3_dot_v1_dot_rollout__pb2.RolloutStatusResponse.FromString,
             options,
