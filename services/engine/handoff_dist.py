@@ -40,7 +40,9 @@ communicator aborted. ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 0 here so 
 to the hand-off instead of tearing the server down.
 
 gloo binds to the address of the host name; set ``GLOO_SOCKET_IFNAME`` when that is not the interface
-between the workers. NCCL needs the two workers on different GPUs.
+between the workers. NCCL needs the two workers on different GPUs. The TCPStore listens on every interface and
+has no authentication (like any torch.distributed rendezvous): keep its port inside the cluster network. The
+payload is raw tensor bytes checked against the manifest; nothing received is ever unpickled.
 """
 
 from __future__ import annotations
@@ -215,9 +217,13 @@ def validate_header(header: engine_pb2.DistHandoffHeader, vocab_size: int, max_s
     logits = by_name.get("last_logits")
     if logits is None or logits.dtype != "float32" or list(logits.shape) != [vocab_size]:
         raise InvalidArgument("tensors", f"must hold last_logits as float32 [{vocab_size}]", reason="BAD_LOGITS")
+    if header.num_tokens > max_state_bytes:  # every token adds MLA rows to the state: bounds token_ids too
+        raise InvalidArgument("num_tokens", f"{header.num_tokens} tokens cannot fit max_state_bytes "
+                              f"{max_state_bytes}", reason="BAD_STATE_SIZE")
     tokens = by_name.get("token_ids")
-    if tokens is None or tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < 1:
-        raise InvalidArgument("tensors", "must hold token_ids as int32 [prompt length >= 1]", reason="BAD_MANIFEST")
+    if tokens is None or tokens.dtype != "int32" or list(tokens.shape) != [header.num_tokens]:
+        raise InvalidArgument("tensors", f"must hold token_ids as int32 [num_tokens = {header.num_tokens}]",
+                              reason="BAD_MANIFEST")
     state_bytes = sum(_nbytes(s) for s in header.tensors if s.name not in ("last_logits", "token_ids"))
     if not 0 < state_bytes <= max_state_bytes:
         raise InvalidArgument("tensors", f"state tensors must total [1, {max_state_bytes}] bytes, got "
@@ -226,17 +232,28 @@ def validate_header(header: engine_pb2.DistHandoffHeader, vocab_size: int, max_s
 
 
 # -- process groups -------------------------------------------------------------------------------------------------
+@contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """Make ``device`` current for NCCL calls made from gRPC threads (whose current device is otherwise 0)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
 def _new_group(backend: str, store: dist.Store, rank: int, timeout_s: float, device: torch.device):
     """A standalone two-rank backend over ``store``, connected and checked by a one-element all-reduce."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        group = dist.ProcessGroupNCCL(store, rank, 2, timeout)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, 2, timeout)
-    probe = torch.ones(1, device=device)
-    _await(group.allreduce([probe]), backend, time.monotonic() + timeout_s, lambda: True, group,
-           "joining the pair group")
+    with _on(device):
+        if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            group = dist.ProcessGroupNCCL(store, rank, 2, timeout)
+        else:
+            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        probe = torch.ones(1, device=device)
+        _await(group.allreduce([probe]), backend, time.monotonic() + timeout_s, lambda: True, group,
+               "joining the pair group")
     if probe.item() != 2:
         raise Unavailable(f"the pair group's handshake returned {probe.item()}, expected 2")
     return group
@@ -395,10 +412,13 @@ class DistHandoffHost:
                                      field="group_key", reason="GROUP_BUSY")
         try:
             buffer = torch.empty(payload_layout(header.tensors)[1], dtype=torch.uint8, device=self.device)
-            work = peer.group.recv([buffer], 0, 0)
+            with _on(self.device):
+                work = peer.group.recv([buffer], 0, 0)
 
             def wait() -> dict[str, Tensor]:
-                _await(work, self.backend, deadline, alive, peer.group, f"receiving request {header.request_id!r}")
+                with _on(self.device):
+                    _await(work, self.backend, deadline, alive, peer.group,
+                           f"receiving request {header.request_id!r}")
                 return unpack(buffer, header.tensors)
 
             yield wait
@@ -541,7 +561,8 @@ class DistHandoffSender:
             first = self._read(call, header.request_id)
             if not first.ready:
                 raise Unavailable("the decode worker answered without `ready`", reason="PROTOCOL")
-            work = peer.group.send([buffer], 1, 0)
+            with _on(self.device):
+                work = peer.group.send([buffer], 1, 0)
             _await(work, self.backend, deadline, lambda: call.is_active() and not cancelled(), peer.group,
                    f"sending request {header.request_id!r}")
             reply = self._read(call, header.request_id)

@@ -275,6 +275,12 @@ def test_header_validation_names_the_field():
     with pytest.raises(Exception) as info:
         validate_header(good, 10, 8)
     assert info.value.reason == "BAD_STATE_SIZE"
+    bad = engine_pb2.DistHandoffHeader()
+    bad.CopyFrom(good)
+    bad.tensors[2].shape[0] = 1 << 30  # a token list that does not match num_tokens is refused before any buffer
+    with pytest.raises(Exception) as info:
+        validate_header(bad, 10, 1 << 20)
+    assert info.value.reason == "BAD_MANIFEST"
 
 
 def test_handoff_mode_is_validated():
