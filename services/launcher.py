@@ -29,6 +29,11 @@ gives each a config file of its own. Design decisions:
   serving for ``pool_drain_s`` (in-flight calls finish, the workers stop sending) and is then stopped. A pool
   that dies is reported but stops nothing: the workers retry its work on the other pools (requests that no
   pool can serve fail alone, with UNAVAILABLE).
+- **Vision.** ``k3 serve vision`` is started (after the cache store, with its address, before the router,
+  which gets its address as ``upstream.vision``) when the served checkpoint holds a vision encoder (``vision/``,
+  written by image-text training) or when the config file has a ``vision`` section (e.g. ``encoder: {preset:
+  vit-tiny, lm_hidden_size: 128}`` to try images on random weights). Otherwise no vision service runs and
+  requests with images are refused with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-SERVICES = ("cache", "prefill", "decode", "router")
+SERVICES = ("cache", "prefill", "decode", "vision", "router")
 EXPERTS = "experts"
 """The config section every expert pool starts from (``server``, ``load_window_s``, ...; not ``model``/``shard``)."""
 SECTIONS = (*SERVICES, EXPERTS)
@@ -168,6 +173,22 @@ def worker_model(name: str, config: LaunchConfig) -> dict[str, Any]:
     return {k: v for k, v in section.items() if v is not None}
 
 
+def vision_encoder(config: LaunchConfig) -> dict[str, Any] | None:
+    """The ``encoder`` section of the vision service to start, or None when none should run (see Vision)."""
+    section = config.services.get("vision", {})
+    if config.checkpoint is not None:
+        from k3.model.checkpoint import CheckpointError
+        from k3.model.vision_sft import vision_checkpoint_folder
+
+        try:
+            return {"checkpoint": str(vision_checkpoint_folder(Path(config.checkpoint).resolve()))}
+        except CheckpointError:
+            pass
+    if section:
+        return dict(section.get("encoder", {}))
+    return None
+
+
 def service_config(name: str, config: LaunchConfig, addresses: dict[str, str]) -> dict[str, Any]:
     """The config file contents of service ``name``: the user's section with the wiring written over it."""
     section = copy.deepcopy(config.services.get(name, {}))
@@ -187,7 +208,13 @@ def service_config(name: str, config: LaunchConfig, addresses: dict[str, str]) -
                          "cache": [addresses["cache"]]},
             "model": router_model,
         }
+        if "vision" in addresses:
+            wiring["upstream"]["vision"] = addresses["vision"]
         return deep_merge(section, wiring)
+    if name == "vision":
+        encoder = vision_encoder(config) or {}
+        section.pop("encoder", None)
+        return deep_merge(section, {"cache_address": addresses["cache"], "encoder": encoder})
     return section
 
 
@@ -347,6 +374,8 @@ class Launcher:
             if self.config.expert_pools:
                 self.start_pools()
             workers = [self.spawn("prefill"), self.spawn("decode")]
+            if vision_encoder(self.config) is not None:
+                workers.append(self.spawn("vision"))
             for child in workers:
                 self.await_ready(child)
             self.await_ready(self.spawn("router"))

@@ -6,6 +6,10 @@
   tool calls. With ``--tools FILE`` (a JSON list of OpenAI-style tool definitions) the model may call tools;
   the REPL asks you for each call's result and sends it back, one-shot mode prints the calls and exits.
 - ``k3 generate --prompt TEXT`` continues raw text (no chat format) and streams it.
+- ``--image PATH`` (repeatable) attaches images to the first user message (``--message`` or the REPL's first
+  line), before its text; in the REPL ``/image PATH`` attaches one to the next message. Images travel as
+  their file bytes (the router has them encoded by the vision service, which caches them by content, so
+  resending one in later turns costs no encoder pass).
 
 Usage (tokens, cached tokens and cost at the router's prices) goes to stderr after each answer, so stdout
 holds only the model's text. ``stream_chat`` is the reusable part: one Chat call with callbacks per delta.
@@ -31,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--tools", metavar="FILE", help="JSON list of OpenAI-style tool definitions")
     chat.add_argument("--thinking-effort", choices=["low", "high", "max", "none"], default="none",
                       help="reasoning effort; none (default) answers without a think channel")
+    chat.add_argument("--image", action="append", default=[], metavar="PATH",
+                      help="attach an image file to the first message (repeatable)")
     chat.set_defaults(func=run_chat)
 
     generate = subparsers.add_parser("generate", help="continue a text prompt through the router")
@@ -167,6 +173,27 @@ class _Printer:
         sys.stdout.flush()
 
 
+def _read_image(path: str) -> bytes:
+    from k3.cli import CLIError
+
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CLIError(f"--image: cannot read {path}: {exc.strerror}") from None
+
+
+def _user_message(text: str, images: list[bytes]):
+    """A user message: plain content, or image parts followed by the text when images are attached."""
+    from k3.protos.v1 import inference_pb2
+
+    if not images:
+        return inference_pb2.ChatMessage(role="user", content=text)
+    parts = [inference_pb2.ContentPart(image=inference_pb2.ImageRef(data=data)) for data in images]
+    parts.append(inference_pb2.ContentPart(text=text))
+    return inference_pb2.ChatMessage(role="user", parts=parts)
+
+
 def run_chat(args: argparse.Namespace) -> int:
     import grpc
 
@@ -174,6 +201,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from k3.protos.v1 import inference_pb2, inference_pb2_grpc
 
     tools_json = _load_tools(args.tools)
+    pending_images = [_read_image(path) for path in args.image]
     declared = {t["function"].get("name") for t in json.loads(tools_json or "[]")
                 if isinstance(t, dict) and isinstance(t.get("function"), dict)}
     history: list = []
@@ -220,10 +248,10 @@ def run_chat(args: argparse.Namespace) -> int:
 
     try:
         if args.message is not None:
-            history.append(inference_pb2.ChatMessage(role="user", content=args.message))
+            history.append(_user_message(args.message, pending_images))
             ask()
             return 0
-        print(f"k3 chat with {args.router} — /reset, /usage, /quit", file=sys.stderr)
+        print(f"k3 chat with {args.router} — /image PATH, /reset, /usage, /quit", file=sys.stderr)
         while True:
             try:
                 line = input("you> ")
@@ -241,10 +269,17 @@ def run_chat(args: argparse.Namespace) -> int:
                       f"{totals['generated']} generated, cost ${totals['cost']:.6f}, saved "
                       f"${totals['without'] - totals['cost']:.6f}", file=sys.stderr)
                 continue
+            if command.startswith("/image "):
+                try:
+                    pending_images.append(_read_image(command[len("/image "):].strip()))
+                except CLIError as exc:
+                    print(f"k3: error: {exc}", file=sys.stderr)
+                continue
             if not command:
                 continue
             mark = len(history)
-            history.append(inference_pb2.ChatMessage(role="user", content=line))
+            history.append(_user_message(line, pending_images))
+            pending_images = []
             try:
                 ask()
                 while history[-1].tool_calls:  # answer every call, then let the model continue

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from k3.commands.vision_options import add_vision_options, run_vision, wants_vision
+
 # CLI option -> SFTConfig field, for the options that map one to one.
 _FIELDS = {
     "checkpoint": "checkpoint", "steps": "steps", "mix": "mix", "seed": "seed", "lr": "lr",
@@ -44,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", help="torch device (default cpu)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    add_vision_options(parser, data=True)
     parser.set_defaults(func=run_sft)
 
 
@@ -56,6 +59,8 @@ def run_sft(args: argparse.Namespace) -> int:
     from k3.model.checkpoint import CheckpointError
     from k3.model.sft import SFTConfig, SFTError, resume_sft_config, sft
 
+    if wants_vision(args):  # image-text training: k3.commands.vision_options
+        return run_vision(args, checkpoint=args.checkpoint, preset=None)
     given = _given(args)
     try:
         if args.resume:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k3.commands.vision_options import add_vision_options, run_vision, wants_vision
+
 PRESETS = ("tiny", "small")
 
 # CLI option -> TrainConfig field, for the options that map one to one.
@@ -89,6 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_int_at_least(1), help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--device", help="torch device (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    add_vision_options(p, data=False)
     p.set_defaults(func=run)
 
 
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from k3.model.checkpoint import CheckpointError, latest_checkpoint
     from k3.model.train import TrainConfig, TrainError, resume_config, train
 
+    if wants_vision(args):  # image-text training from a fresh preset: k3.commands.vision_options
+        return run_vision(args, checkpoint=None, preset=args.preset)
     out = Path(args.out)
     given = {field: getattr(args, option) for option, field in _FIELDS.items() if getattr(args, option) is not None}
     given["progress"] = not args.no_progress
