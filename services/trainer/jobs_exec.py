@@ -7,8 +7,9 @@ into ``run_dir``; progress goes to ``report`` as plain dicts and ``cancelled()``
 Design decisions:
 
 - **Resume by default.** If ``run_dir`` holds a checkpoint, the job continues from it (pretraining and SFT
-  resume bit for bit); a folder without one (a start that died before its first save) is cleared and the job
-  starts over. Running the same job twice therefore never trains a step twice nor loses one that was saved,
+  resume bit for bit); a pretrain or SFT folder without one (a start that died before its first save) is
+  cleared and the job starts over. An RL job resumes from its folder by itself (``run_rl_job``: the learner's
+  checkpoint with its learned trajectory ids, the workers' spools), so its folder is never cleared. Running the same job twice therefore never trains a step twice nor loses one that was saved,
   which is what lets a restarted trainer pick up its interrupted jobs.
 - The result is a small dict (``step``, ``steps``, ``stopped``, ``checkpoint``, final metrics): the trainer
   decides the job's final state from it (``stopped == "cancelled"`` is CANCELLED, None is SUCCEEDED).
@@ -33,13 +34,13 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 
 def execute(kind: str, params: dict[str, Any], run_dir: str | Path, *, report: Callable[[dict[str, Any]], None],
-            cancelled: Callable[[], bool], data_cache_dir: str | None = None,
-            bus_url: str | None = None) -> dict[str, Any]:
+            cancelled: Callable[[], bool], data_cache_dir: str | None = None, bus_url: str | None = None,
+            job_id: str | None = None) -> dict[str, Any]:
     """Run the job to its end or until ``cancelled()``; see the module docstring."""
     run_dir = Path(run_dir)
     resume = has_checkpoint(run_dir)
-    if not resume and run_dir.exists():
-        shutil.rmtree(run_dir)
+    if kind in ("pretrain", "sft") and not resume and run_dir.exists():
+        shutil.rmtree(run_dir)  # an RL job resumes from its folder by itself (checkpoints and rollout spools)
     hooks = LoopHooks(on_event=report, should_stop=cancelled)
     if kind == "pretrain":
         from k3.model.train import TrainConfig, train
@@ -59,6 +60,8 @@ def execute(kind: str, params: dict[str, Any], run_dir: str | Path, *, report: C
         values = {**params, "job_dir": str(run_dir)}
         if bus_url is not None:
             values["bus_url"] = bus_url
+        if job_id is not None:
+            values["job_id"] = job_id
         config = rl_job.RLJobConfig.from_dict(values)
         result = rl_job.run_rl_job(config, report=report, cancelled=cancelled)
         return dict(result or {})

@@ -270,8 +270,8 @@ class RayRunner:
     def start(self, job_id: str, kind: str, params: dict[str, Any], run_dir: str, options: dict[str, Any], *,
               on_event: Callable[[dict[str, Any]], None], on_exit: Callable[[JobOutcome], None]) -> RunningJob:
         actor = self._actor_class.options(
+            # Unnamed: a named actor of a trainer that just died may still hold its name while Ray cleans up.
             num_cpus=self.config.job_num_cpus, num_gpus=self.config.job_num_gpus, max_concurrency=4,
-            name=f"k3-job-{job_id}", namespace=self.config.namespace,
         ).remote()
         run_ref = actor.run.remote(kind, params, run_dir, options)
         job = RunningJob(self, job_id, actor, run_ref, on_event, on_exit)

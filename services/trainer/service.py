@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name
 JOBS_TOPIC = "k3.jobs"
-_METRIC_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "tokens", "max_expert_load")
-"""Numbers of a training step's record that become job metrics."""
+_NOT_METRICS = ("kind", "step", "steps", "stage", "seq_len", "rows", "elapsed_s")
+"""Numbers of a step's record that are not metrics (the step itself, the context stage, wall time)."""
 
 
 @dataclass
@@ -128,13 +128,15 @@ def event_update(event: dict[str, Any]) -> dict[str, Any]:
             update["steps"] = event["steps"]
         return update
     if kind == "train":
-        return {"step": int(event["step"]), "metrics": _numbers({k: event.get(k) for k in _METRIC_FIELDS})}
+        return {"step": int(event["step"]), "metrics": _numbers(_without(event, _NOT_METRICS))}
     if kind == "eval":
-        return {"step": int(event["step"]), "metrics": _numbers({"eval_loss": event.get("loss")})}
+        # Pretraining and SFT report the held-out loss as "loss"; RL reports "eval_reward".
+        metrics = {("eval_loss" if k == "loss" else k): v for k, v in _without(event, _NOT_METRICS).items()}
+        return {"step": int(event["step"]), "metrics": _numbers(metrics)}
     if kind == "checkpoint":
         return {"step": int(event["step"]), "checkpoint": str(event["path"])}
-    # Anything else (the RL job's reports): step, metrics, checkpoint and message where present.
-    update: dict[str, Any] = {}
+    # Anything else (the RL job's actor restarts, ...): step, metrics, checkpoint and message where present.
+    update: dict[str, Any] = {"message": str(event.get("message") or kind or "event")}
     for key in ("step", "steps"):
         if isinstance(event.get(key), int | float) and not isinstance(event.get(key), bool):
             update[key] = int(event[key])
@@ -145,9 +147,11 @@ def event_update(event: dict[str, Any]) -> dict[str, Any]:
         update["metrics"] = numbers
     if event.get("checkpoint"):
         update["checkpoint"] = str(event["checkpoint"])
-    if event.get("message"):
-        update["message"] = str(event["message"])
     return update
+
+
+def _without(event: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k not in keys}
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, float]:
@@ -278,11 +282,11 @@ class Trainer:
             raise InvalidArgument("checkpoint", f"no job with id {job_id!r}", reason="UNKNOWN_JOB") from None
         return record.state, self.store.run_dir(job_id)
 
-    def _options(self, kind: str) -> dict[str, Any]:
+    def _options(self, kind: str, job_id: str) -> dict[str, Any]:
         if kind == "pretrain":
             return {"data_cache_dir": self.data_cache_dir}
         if kind == "rl":
-            return {"bus_url": self.bus_url}
+            return {"bus_url": self.bus_url, "job_id": job_id}
         return {}
 
     def _start(self, record: JobRecord, validated: ValidatedSpec | None = None) -> None:
@@ -290,7 +294,7 @@ class Trainer:
         self.store.update(job_id, attempt=True, message="waiting for Ray to place the job")
         try:
             self.runner.start(
-                job_id, record.kind, record.params, str(self.store.run_dir(job_id)), self._options(record.kind),
+                job_id, record.kind, record.params, str(self.store.run_dir(job_id)), self._options(record.kind, job_id),
                 on_event=lambda event: self._on_event(job_id, event),
                 on_exit=lambda outcome: self.store.update(job_id, **final_update(outcome)),
             )

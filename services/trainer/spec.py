@@ -68,6 +68,8 @@ SFT_FIELDS: Mapping[str, str] = {
     **_COMMON, "eval_conversations": "eval_conversations", "data.mix": "mix",
 }
 """Spec path (``spec_json.<path>``) -> ``SFTConfig`` field."""
+RL_TRAINER_FIELDS = ("job_dir", "job_id", "bus_url")
+"""``RLJobConfig`` fields the trainer sets for every RL job."""
 SECTIONS = ("optimizer", "data")
 """Keys of ``spec_json`` that are objects of further fields."""
 
@@ -329,6 +331,10 @@ def _rl(preset: str, checkpoint: str, body: dict[str, Any], limits: SpecLimits,
         if key in body:
             raise InvalidArgument(f"spec_json.{key}", f"set {key} on the JobSpec itself, not in spec_json",
                                   reason="UNEXPECTED_FIELD")
+    for key in RL_TRAINER_FIELDS:
+        if key in body:
+            raise InvalidArgument(f"spec_json.{key}", "is set by the trainer (where the job writes, its name on "
+                                  "the bus, which bus)", reason="UNEXPECTED_FIELD")
     values = dict(body)
     if preset:
         values["preset"] = preset
@@ -342,13 +348,21 @@ def _rl(preset: str, checkpoint: str, body: dict[str, Any], limits: SpecLimits,
 
 
 def _rl_error(exc: Exception, values: Mapping[str, Any]) -> InvalidArgument:
-    """RL config errors name their field in the message; the spec path is the first field name it mentions."""
+    """``RLJobConfig.from_dict``'s errors start with the field's name (``lr: must be a number > 0, got 0``)."""
     text = str(exc)
-    names = sorted((name for name in values if re.search(rf"\b{re.escape(name)}\b", text)), key=text.find)
-    if names and names[0] in ("preset", "checkpoint"):
-        return InvalidArgument(names[0], text, reason="BAD_VALUE")
-    reason = "UNKNOWN_ENVIRONMENT" if "environment" in text.lower() and "unknown" in text.lower() else "BAD_VALUE"
-    return InvalidArgument(f"spec_json.{names[0]}" if names else "spec_json", text, reason=reason)
+    match = re.match(r"^(\w+): (.*)$", text, re.DOTALL)
+    if match is None:
+        return InvalidArgument("spec_json", text, reason="BAD_VALUE")
+    name, message = match.groups()
+    if name in ("preset", "checkpoint"):
+        return InvalidArgument(name, message, reason="BAD_VALUE")
+    if message.startswith("unknown field"):
+        reason = "UNKNOWN_FIELD"
+    elif message.startswith("unknown environment"):
+        reason = "UNKNOWN_ENVIRONMENT"
+    else:
+        reason = "BAD_VALUE"
+    return InvalidArgument(f"spec_json.{name}", message, reason=reason)
 
 
 def _as_dict(config: Any) -> dict[str, Any]:

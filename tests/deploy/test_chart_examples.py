@@ -124,6 +124,7 @@ LOADABLE = [(e, (), c, c) for e in ("cpu-single-node", "one-gpu", "multi-node") 
     ("multi-node", (), "vision", "vision"),
     ("multi-node", (), "expert-shard-2", "experts"),
     ("multi-node", ("planner.enabled=true",), "planner", "planner"),
+    ("multi-node", (), "trainer", "trainer"),
 ]
 
 
