@@ -262,19 +262,31 @@ class LocalPrometheus:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def launched_services(launch_config) -> list[str]:
+    """The single services ``k3 up`` will start for ``launch_config`` (the expert pools aside). The vision
+    encoder runs only when the launcher finds one to serve, and a config section of its own would make it
+    start, so it gets a metrics port only when it runs anyway."""
+    from k3.services import launcher
+
+    names = list(launcher.SERVICES)
+    wants_vision = getattr(launcher, "vision_encoder", None)
+    if "vision" in names and (wants_vision is None or wants_vision(launch_config) is None):
+        names.remove("vision")
+    return names
+
+
 def observe_launch(launch_config, observe: ObserveConfig | None = None) -> LocalPrometheus:
     """For ``k3 up --observe``: metrics ports for every launched service and a (not yet started) Prometheus.
 
     ``launch_config`` is a ``k3.services.launcher.LaunchConfig``; its per-service sections get their
     ``server.metrics_port``. Rule files default to the repository's alert rules when they exist.
     """
-    from k3.services.launcher import SERVICES
 
     observe = observe or ObserveConfig(host=launch_config.host)
     if not observe.rule_files and DEFAULT_RULES.is_file():
         observe = dataclasses.replace(observe, rule_files=[str(DEFAULT_RULES)])
     targets: dict[str, str | list[str]] = dict(
-        assign_metrics_ports(launch_config.services, SERVICES, launch_config.host))
+        assign_metrics_ports(launch_config.services, launched_services(launch_config), launch_config.host))
     pools = assign_pool_metrics_ports(launch_config.services, getattr(launch_config, "expert_pools", 0),
                                       launch_config.host)
     if pools:

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from k3.protos.v1 import inference_pb2, inference_pb2_grpc
 from k3.services.common import metric_names as mn
-from k3.services.launcher import EXPERTS, SERVICES, LaunchConfig, Launcher
+from k3.services.launcher import EXPERTS, LaunchConfig, Launcher
 from k3.services.observe import (
     LocalPrometheus,
     ObserveConfig,
@@ -44,7 +44,8 @@ from k3.services.observe import (
 pytestmark = pytest.mark.timeout(420)
 
 HOST = "127.0.0.1"
-STACK = (*SERVICES, EXPERTS)
+WORKERS = ("cache", "prefill", "decode", "router")  # no vision: the tiny preset has no encoder to serve
+STACK = (*WORKERS, EXPERTS)
 # Byte tokenizer: 1100 tokens, two full 512-token blocks (the cache store's unit) and a partial one; restoring
 # the second block's checkpoint streams the first block's latents (GetMany).
 PROMPT = ("Trace one request through every k3 service, then measure it. " * 20)[:1100]
@@ -140,7 +141,7 @@ def run(tmp_path_factory) -> StackRun:
     sections = {name: {"server": {"otlp_endpoint": f"{HOST}:{otlp_port}"}} for name in STACK}
     config = LaunchConfig(services=sections, preset="tiny", router_port=0, expert_pools=1, host=HOST,
                           startup_timeout=240, stop_grace=30)
-    targets: dict[str, str | list[str]] = dict(assign_metrics_ports(config.services, SERVICES, HOST))
+    targets: dict[str, str | list[str]] = dict(assign_metrics_ports(config.services, WORKERS, HOST))
     targets[EXPERTS] = assign_pool_metrics_ports(config.services, 1, HOST)
     lines: list[str] = []
     launcher = Launcher(config, emit=lines.append)
