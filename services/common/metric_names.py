@@ -8,10 +8,12 @@ Design decisions:
 - Names are ``k3.<component>.<what>`` (``rpc.server.*`` for the server interceptor, after the OpenTelemetry
   RPC conventions); units are UCUM as OpenTelemetry wants them: ``s``, ``By``, ``1``, or a ``{annotation}``
   for counts.
-- The Prometheus name follows the OpenTelemetry-to-Prometheus rules used by both the in-process exporter
-  (``k3.services.common.prometheus``) and the collector's Prometheus exporter: dots become underscores,
-  the unit is appended (``_seconds``, ``_bytes``; annotations and ``1`` add nothing), counters end in
-  ``_total``. A test exports every entry through the real exporter and checks the name.
+- The Prometheus name follows the OpenTelemetry-to-Prometheus rules of the in-process exporter
+  (``k3.services.common.prometheus``, what Prometheus scrapes): dots become underscores, the unit is appended
+  (``_seconds``, ``_bytes``; annotations and ``1`` add nothing), counters end in ``_total``. A test exports
+  every entry through the real exporter and checks the name. Counts are annotated (``{request}``), never
+  ``1``: the collector's Prometheus exporter appends ``_ratio`` to gauges of unit ``1``, so only true ratios
+  (imbalance, busy fraction) carry it, and only those are named differently through the collector.
 - Latency histograms carry explicit bucket boundaries in seconds (the SDK's defaults are sized for
   milliseconds); ``instrument`` passes them as advice.
 - Every entry is recorded by the service named in ``service`` (``emitted`` True); a test runs the services,
@@ -134,13 +136,13 @@ COMPLETION_TOKENS = _m("k3.router.completion_tokens", C, "{token}", "Generated t
 # --- prefill and decode engines (k3.services.engine.metrics) ----------------------------------------------
 ENGINE_TOKENS = _m("k3.engine.tokens", C, "{token}", "Tokens run through the model (tokens/s = rate)",
                    "prefill,decode", ("phase",))
-ENGINE_QUEUED = _m("k3.engine.queued", G, "1", "Requests waiting for a slot or pages (queue length)",
+ENGINE_QUEUED = _m("k3.engine.queued", G, "{request}", "Requests waiting for a slot or pages (queue length)",
                    "prefill,decode")
-ENGINE_RUNNING = _m("k3.engine.running", G, "1", "Sequences prefilling or decoding", "prefill,decode")
+ENGINE_RUNNING = _m("k3.engine.running", G, "{sequence}", "Sequences prefilling or decoding", "prefill,decode")
 # The slot pool and the paged latent cache belong to the continuous-batching engine (decode); a prefill worker
 # holds one state per running prompt and keeps no pools.
-ENGINE_FREE_SLOTS = _m("k3.engine.free_slots", G, "1", "Free KDA state slots", "decode")
-ENGINE_FREE_PAGES = _m("k3.engine.free_pages", G, "1", "Free MLA latent pages", "decode")
+ENGINE_FREE_SLOTS = _m("k3.engine.free_slots", G, "{slot}", "Free KDA state slots", "decode")
+ENGINE_FREE_PAGES = _m("k3.engine.free_pages", G, "{page}", "Free MLA latent pages", "decode")
 KDA_STATE_MEMORY = _m("k3.engine.kda_state_memory", G, "By",
                       "Bytes of fixed-size KDA + conv state held by live sequences (slots in use)", "decode")
 KV_LATENT_MEMORY = _m("k3.engine.kv_latent_memory", G, "By",
@@ -161,7 +163,7 @@ EXPERT_POOL_LOAD = _m("k3.expert_pool.load", G, "1", "Compute calls in progress 
                       "experts", ("shard",))
 EXPERT_IMBALANCE = _m("k3.experts.pool.imbalance", G, "1", "max/mean of rows over the pool's home experts",
                       "experts", ("shard",))
-EXPERT_REPLICAS = _m("k3.experts.pool.replicas", G, "1", "Foreign (layer, expert) replicas hosted", "experts",
+EXPERT_REPLICAS = _m("k3.experts.pool.replicas", G, "{replica}", "Foreign (layer, expert) replicas hosted", "experts",
                      ("shard",))
 EXPERT_CLIENT_IMBALANCE = _m("k3.experts.client.imbalance", G, "1", "max/mean of rows sent across shards",
                              "prefill,decode")
@@ -175,7 +177,7 @@ RL_STALENESS = _m("k3.rl.staleness", H, "{version}",
                   (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0))
 
 # --- planner ----------------------------------------------------------------------------------------
-PLANNER_DESIRED = _m("k3.planner.desired_replicas", G, "1", "Replicas the planner wants, by deployment",
+PLANNER_DESIRED = _m("k3.planner.desired_replicas", G, "{replica}", "Replicas the planner wants, by deployment",
                      "planner", ("deployment",))
 PLANNER_SCALINGS = _m("k3.planner.scalings", C, "{change}", "Replica changes applied (or logged in dry run)",
                       "planner", ("deployment", "direction"))
