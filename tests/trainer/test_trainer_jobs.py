@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from k3.cli import main
 from k3.model import checkpoint as ckpt
 from k3.protos.v1 import jobs_pb2, jobs_pb2_grpc
 from k3.services.common.client import error_detail, make_channel
@@ -123,6 +124,35 @@ def test_pretrain_then_sft_job_stream_progress_and_checkpoints(trainer):
         consumer.close()
     assert [p["step"] for p in published if p["id"] == job.id] == [e.step for e in events]
     assert {r["id"] for r in published} == {job.id, sft.id}
+
+
+def test_cli_lists_watches_and_reports_bad_specs(trainer, capsys, tmp_path):
+    handle, stub, _ = trainer
+    cli = ["jobs", "--trainer", handle.address]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("kind: pretrain\npreset: tiny\nsteps: 3\noptimizer:\n  lr: 0.01\n")
+    assert main([*cli, "submit", "--spec", str(spec_file), "--set", "optimizer.lr=-1"]) == 2
+    assert "INVALID_ARGUMENT" in (err := capsys.readouterr().err) and "spec_json.optimizer.lr" in err
+    assert main([*cli, "submit", "--set", "steps=3"]) == 2
+    assert "--kind is required" in capsys.readouterr().err
+    assert main([*cli, "watch", "nope"]) == 2 and "NOT_FOUND" in capsys.readouterr().err
+    body = json.dumps(pretrain_body(2))
+    assert main([*cli, "submit", "--kind", "pretrain", "--preset", "tiny", "--spec", str(_write(tmp_path, body)),
+                 "--set", "steps=2", "--name", "cli"]) == 0
+    job_id = capsys.readouterr().out.split()[3]
+    assert main([*cli, "watch", job_id, "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[-1]["state"] == "SUCCEEDED" and lines[-1]["step"] == 2 == lines[-1]["steps"]
+    assert main([*cli, "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(j["id"], j["name"], j["state"]) for j in listed] == [(job_id, "cli", "SUCCEEDED")]
+    assert main([*cli, "cancel", job_id]) == 2 and "FAILED_PRECONDITION" in capsys.readouterr().err
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "body.json"
+    path.write_text(text)
+    return path
 
 
 def test_bad_requests_get_precise_statuses(trainer):

@@ -155,3 +155,22 @@ def test_rl_jobs_without_the_rl_module_are_a_failed_precondition():
     with pytest.raises(FailedPrecondition, match="RL jobs need k3.services.trainer.rl_job") as info:
         validate(spec("rl"), rl_available=None)
     assert info.value.field == "kind"
+
+
+def test_rl_specs_are_validated_by_the_rl_job_config():
+    rl_job = pytest.importorskip("k3.services.trainer.rl_job")
+    got = validate(spec("rl", steps=3, environments=["reasoning_gym/chain_sum"], max_staleness=2,
+                        efforts=["low", "high"]), rl_available=lambda: rl_job)
+    assert got.kind == "rl" and got.steps == 3
+    assert (got.params["preset"], got.params["max_staleness"], got.params["efforts"]) == ("tiny", 2, ["low", "high"])
+    cases = [(spec("rl", environments=["chess"]), "spec_json.environments", "UNKNOWN_ENVIRONMENT"),
+             (spec("rl", max_staleness=-1), "spec_json.max_staleness", "BAD_VALUE"),
+             (spec("rl", efforts=["extreme"]), "spec_json.efforts", "BAD_VALUE"),
+             (spec("rl", wings=1), "spec_json.wings", "UNKNOWN_FIELD"),
+             (spec("rl", bus_url="kafka://x:1"), "spec_json.bus_url", "UNEXPECTED_FIELD"),
+             (spec("rl", preset="kimi-k3"), "preset", "BAD_VALUE"),
+             (spec("rl", preset=""), "preset", "MISSING_FIELD")]
+    for bad, field, reason in cases:
+        with pytest.raises(InvalidArgument) as info:
+            validate(bad, rl_available=lambda: rl_job)
+        assert (info.value.field, info.value.reason) == (field, reason), info.value
