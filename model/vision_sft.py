@@ -68,6 +68,8 @@ class VisionSFTConfig:
     """Pretrained checkpoint or run folder to start the language model from; None starts ``preset`` fresh."""
     preset: str = "tiny"
     """Language-model preset when ``checkpoint`` is None."""
+    tokenizer: str | None = None
+    """Saved tokenizer folder for a fresh ``preset`` (None: the byte tokenizer); a checkpoint keeps its own."""
     vision_preset: str = "vit-tiny"
     """Vision encoder preset (its projector width is set to the language model's hidden size)."""
     steps: int = 300
@@ -250,7 +252,10 @@ def build_models(cfg: VisionSFTConfig):
             model_config = get_preset(cfg.preset)
         except ValueError as exc:
             raise VisionSFTError(f"VisionSFTConfig.preset: {exc}") from None
-        tokenizer = ByteTokenizer()
+        try:
+            tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else ByteTokenizer()
+        except (OSError, ValueError) as exc:
+            raise VisionSFTError(f"VisionSFTConfig.tokenizer: {exc}") from None
         lm = K3Model(model_config)
     if model_config.vocab_size < tokenizer.vocab_size:
         raise VisionSFTError(f"model vocab_size {model_config.vocab_size} is smaller than the tokenizer's "

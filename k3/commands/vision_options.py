@@ -51,6 +51,8 @@ def run_vision(args: argparse.Namespace, *, checkpoint: str | None, preset: str 
             options[name] = value
     if preset is not None:
         options["preset"] = preset
+    if getattr(args, "tokenizer", None) is not None:
+        options["tokenizer"] = args.tokenizer
     try:
         result = vision_sft(VisionSFTConfig(**options))
     except (VisionSFTError, CheckpointError) as exc:

@@ -14,6 +14,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+
+def train_task_tokenizer(folder: str, vocab_size: int, seed: int) -> None:
+    """A BPE trained on 2 000 rendered train chats of the task (text only; images are one placeholder)."""
+    import tempfile
+
+    from k3.model.tokenizer import ByteTokenizer, train_tokenizer
+    from k3.model.vision_data import CountTask, chat_messages
+    from k3.model.xtml import render
+
+    task = CountTask(seed)
+    texts = [render(chat_messages(task.sample("train", i), True), thinking=False, add_generation_prompt=False)
+             for i in range(2000)]
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "chats.txt"
+        corpus.write_text("\n".join(texts), encoding="utf-8")
+        tokenizer = train_tokenizer([corpus], vocab_size, folder)
+    sample = render(chat_messages(task.sample("train", 0), True), thinking=False, add_generation_prompt=False)
+    print(f"tokenizer: {len(ByteTokenizer().encode_structure(sample))} byte tokens -> "
+          f"{len(tokenizer.encode_structure(sample))} BPE tokens per chat (before image expansion)",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--bpe", type=int, metavar="VOCAB",
+                        help="train a byte-level BPE of this many ids (<= the preset's vocabulary) on rendered "
+                        "task chats first: the XTML markup then takes a few tokens instead of one per byte")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -35,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from k3.model.vision_sft import VisionSFTConfig, vision_sft
 
+    tokenizer = None
+    if args.bpe:
+        tokenizer = str(Path(args.out + "-tokenizer"))
+        train_task_tokenizer(tokenizer, args.bpe, args.seed)
     result = vision_sft(VisionSFTConfig(
-        out_dir=args.out, task="vision-count", preset=args.preset, steps=args.steps, batch_size=args.batch_size,
+        out_dir=args.out, task="vision-count", preset=args.preset, tokenizer=tokenizer, steps=args.steps,
+        batch_size=args.batch_size,
         lr=args.lr, eval_samples=args.eval_samples, eval_every=args.eval_every, seed=args.seed, threads=1,
         max_minutes=args.max_minutes, progress=not args.no_progress,
     ))
@@ -48,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "chance": round(last.chance, 4), "answer_loss": round(last.loss, 4),
         "curve": [[e.step, round(e.accuracy, 4)] for e in result.evaluations],
         "wall_s": round(result.wall_seconds, 1), "cpu_s": round(result.cpu_seconds, 1),
-        "checkpoint": str(result.checkpoint),
+        "checkpoint": str(result.checkpoint), "tokenizer": "byte" if tokenizer is None else f"bpe-{args.bpe}",
     }, indent=1))
     return 0
 
