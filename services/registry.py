@@ -21,6 +21,7 @@ SERVICES: dict[str, str] = {
     "vision": "k3.services.vision.service:SPEC",
     "experts": "k3.services.experts.service:SPEC",
     "planner": "k3.services.planner.service:SPEC",
+    "rollout": "k3.services.rollout.service:SPEC",
     "trainer": "k3.services.trainer.service:SPEC",
 }
 
