@@ -3,9 +3,9 @@
 One ``Learner.step()``:
 
 1. **Consume.** Records are polled from ``k3.trajectories`` in the job's consumer group. Each is validated
-   (``codec.decode_trajectory``); a malformed one, a trajectory of another job or one claiming a version the
-   learner has not published goes to ``k3.trajectories.dlq`` as a ``DeadLetter`` with the reason, and the
-   learner keeps going. Trajectories already learned from (their id is in the learned set) are skipped: the
+   (``codec.decode_trajectory``); a malformed one or one claiming a version the learner has not published goes
+   to ``k3.trajectories.dlq`` as a ``DeadLetter`` with the reason, and the learner keeps going. Trajectories of
+   other jobs (the topic is shared) are skipped and counted. Trajectories already learned from (their id is in the learned set) are skipped: the
    bus delivers at least once and a worker may publish a trajectory twice.
 2. **Group.** Trajectories wait until their GRPO group is complete; a batch is the first ``groups_per_step``
    complete groups.
@@ -182,8 +182,8 @@ class Learner:
         except MalformedTrajectory as exc:
             self._dead_letter(record, str(exc))
             return
-        if t.job_id != self.config.job_id:
-            self._dead_letter(record, f"trajectory of job {t.job_id!r}, this learner serves {self.config.job_id!r}")
+        if t.job_id != self.config.job_id:  # the topic is shared by every job on the bus: not ours, not bad
+            self.counters["foreign"] += 1
             return
         if t.group_size != self.config.group_size:
             self._dead_letter(record, f"group_size {t.group_size}, the job's is {self.config.group_size}")
