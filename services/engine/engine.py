@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from concurrent.futures import Future
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
