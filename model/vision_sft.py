@@ -14,6 +14,10 @@ Design decisions:
 - **Start**: from a pretrained checkpoint (``checkpoint``: a ``k3 train``/``k3 sft`` run or checkpoint folder,
   whose tokenizer is kept) or from a fresh ``preset`` with the byte tokenizer. The encoder is a fresh
   ``vision_preset`` whose projector outputs the language model's width.
+- **Visual tokens start at the embedding scale.** A fresh projector's output is about 20 times smaller than
+  the language model's token embeddings (``tiny``: norm 0.6 against 11), so the model would first have to
+  learn to notice the image at all. ``match_embedding_scale`` rescales the projector's last layer once, at the
+  start, so that the visual tokens of a fixed noise image have the RMS of the token embeddings.
 - **Eval** is the held-out exact-match accuracy of the greedy answer (every answer token is the argmax given
   the prompt and the answer so far, i.e. what greedy decoding would write) on fixed held-out samples, next
   to chance (the share of the most common held-out answer), plus the held-out answer loss.
@@ -263,7 +267,19 @@ def build_models(cfg: VisionSFTConfig):
     vision_config = dataclasses.replace(get_vision_preset(cfg.vision_preset),
                                         lm_hidden_size=model_config.hidden_size)
     encoder = VisionEncoder(vision_config)
+    match_embedding_scale(encoder, lm)
     return lm, encoder, model_config, tokenizer
+
+
+@torch.no_grad()
+def match_embedding_scale(encoder, lm) -> float:
+    """Scale the projector's last layer so visual tokens have the token embeddings' RMS; returns the factor."""
+    noise = torch.randint(0, 256, (112, 112, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    visual = encoder.encode([noise])[0].float()
+    factor = float(lm.embed.weight.float().pow(2).mean().sqrt() / visual.pow(2).mean().sqrt().clamp_min(1e-12))
+    encoder.projector.fc2.weight.mul_(factor)
+    encoder.projector.fc2.bias.mul_(factor)
+    return factor
 
 
 @torch.no_grad()
