@@ -1,6 +1,6 @@
 """Train a small multimodal model on the generated counting task and report held-out accuracy vs chance.
 
-    python ops/bench/vision_task.py --out runs/vision-count [--preset tiny] [--steps 300] [--batch-size 16]
+    python ops/bench/vision_task.py --out runs/vision-count [--bpe 512] [--preset tiny] [--steps 200]
 
 Runs ``k3.model.vision_sft`` (the same loop as ``k3 sft --task vision-count``) with one torch thread: the
 ``tiny`` language model and the ``vit-tiny`` encoder trained together from scratch on pictures with 0-4 red
@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="new run folder")
     parser.add_argument("--preset", default="tiny", help="language-model preset (tiny or small)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--eval-samples", type=int, default=200)
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--eval-samples", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--bpe", type=int, metavar="VOCAB",
