@@ -50,7 +50,9 @@ def test_packing_equals_encoding_each_image_alone(attention):
     assert [t.shape[0] for t in together] == [6, 4, 12]  # ceil(h/28) * ceil(w/28)
     for packed, single in zip(together, alone, strict=True):
         assert packed.dtype == torch.float32 and packed.shape[1] == encoder.cfg.lm_hidden_size
-        assert (packed - single).abs().max().item() <= 1e-5
+        # Float rounding only: the mask path runs one attention call over the whole batch (other summation
+        # order), so the bound is relative to the tokens' magnitude (about 20 with these sharp weights).
+        assert (packed - single).abs().max().item() <= 4e-6 * max(1.0, single.abs().max().item())
     # The test has power: letting every patch attend to every other (one segment) changes every image's tokens.
     batch = pack([patchify(encoder.cfg, image, video=False) for image in IMAGES])
     batch.cu_seqlens = torch.tensor([0, batch.num_patches])
