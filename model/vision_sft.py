@@ -47,6 +47,7 @@ import torch
 
 from k3.model import checkpoint as ckpt
 from k3.model.multimodal import merge_visual, visual_embeds
+from k3.model.training_loop import progress
 from k3.model.transformer import IGNORE_INDEX
 from k3.model.vision.config import VISION_PRESETS, get_vision_preset
 from k3.model.vision_data import TASKS, CountTask, EncodedSample, VisionDataError, VisionSample, encode_sample
@@ -375,7 +376,7 @@ def vision_sft(cfg: VisionSFTConfig) -> VisionSFTResult:
             log({"kind": "eval", "step": step, "accuracy": accuracy, "chance": chance, "loss": loss})
             bar.note(f"step {step}: held-out accuracy {accuracy:.1%} (chance {chance:.1%}), answer loss {loss:.4f}")
 
-        with _progress(cfg) as bar:
+        with progress("vision sft", cfg.steps, 0, {"loss": "-"}, enabled=cfg.progress) as bar:
             run_eval(0, bar)
             for step in range(cfg.steps):
                 factor = cfg.lr_factor(step)
@@ -395,7 +396,7 @@ def vision_sft(cfg: VisionSFTConfig) -> VisionSFTResult:
                 result.step = step + 1
                 result.train_losses.append((result.step, loss.item()))
                 log({"kind": "train", "step": result.step, "loss": loss.item(), "lr": cfg.lr * factor})
-                bar.advance(result.step, loss.item())
+                bar.advance(result.step, {"loss": f"{loss.item():.4f}"})
                 if cfg.eval_every and result.step % cfg.eval_every == 0 and result.step < cfg.steps:
                     run_eval(result.step, bar)
                 if cfg.max_minutes is not None and time.monotonic() - started >= cfg.max_minutes * 60:
@@ -422,38 +423,3 @@ def _threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-class _Bar:
-    def __init__(self, progress, task):
-        self.progress, self.task = progress, task
-
-    def advance(self, step: int, loss: float) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}")
-
-    def note(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text)
-
-
-class _progress:
-    """A rich progress bar of the steps (or nothing, when disabled)."""
-
-    def __init__(self, cfg: VisionSFTConfig):
-        self.cfg = cfg
-        self.progress = None
-
-    def __enter__(self) -> _Bar:
-        if not self.cfg.progress:
-            return _Bar(None, None)
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(TextColumn("[bold]vision sft"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss [cyan]{task.fields[loss]}"), TimeElapsedColumn())
-        self.progress.__enter__()
-        return _Bar(self.progress, self.progress.add_task("vision", total=self.cfg.steps, loss="-"))
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)

@@ -4,11 +4,13 @@ Steps (fixed seeds; CPU):
 
 1. a starting policy: ``k3 train --preset tiny`` (60 steps) then ``k3 sft`` on reasoning-gym conversations,
    stopped at step 42 of a 150-step schedule (skipped with ``--base DIR``);
-2. ``run_rl_job``: rollout-worker and learner actors on a local Ray, joined by the embedded event log (or
-   ``--bus kafka://host:port``), GRPO + decoupled PPO + Per-Head Muon on ``reasoning_gym/letter_counting`` at low
-   effort with partial rollout;
+2. an RL job submitted over gRPC to ``k3 serve trainer`` (started here on a free port, with its own local Ray):
+   rollout-worker and learner actors joined by the trainer's event log (the embedded one, or Kafka with
+   ``--kafka host:port``), GRPO + decoupled PPO + Per-Head Muon on ``reasoning_gym/letter_counting`` at low
+   effort with partial rollout, followed through the Jobs API's Watch stream;
 3. the mean greedy verifier score on held-out problems (never trained on, neither in SFT nor in RL) at every
-   evaluation, written to ``--out``/rl_reward.json and plotted to ``--plot``.
+   evaluation (the job's ``eval_reward`` metric), written to ``--work``/rl_reward-seedN.json and plotted to
+   ``--plot``.
 
     python ops/bench/rl_reward.py --work runs/rl-demo --plot docs/rl_reward.png
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,9 +60,28 @@ def plot(evals: list[list[float]], path: Path, title: str) -> None:
     fig.savefig(path)
 
 
+def serve_trainer(work: Path, kafka: str | None) -> tuple[subprocess.Popen, str]:
+    """``k3 serve trainer`` on a free loopback port (its own local Ray); returns the process and its address."""
+    trainer: dict = {"jobs_dir": str((work / "jobs").resolve())}
+    config = {"trainer": trainer, "server": {"metrics": False, "tracing": False}}
+    if kafka:
+        config["kafka_bootstrap"] = kafka
+    path = work / "trainer.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "k3", "serve", "trainer", "--config", str(path), "--port", "0"]
+    print("+", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"the trainer did not start: {line!r}")
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default="runs/rl-demo", help="working folder (base policy, job dir)")
+    p.add_argument("--work", default="runs/rl-demo", help="working folder (base policy, the trainer's jobs)")
     p.add_argument("--base", help="starting checkpoint (skips pretraining + SFT)")
     p.add_argument("--steps", type=int, default=16, help="learner updates (default 16)")
     p.add_argument("--prompts-per-step", type=int, default=4)
@@ -68,38 +90,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-size", type=int, default=48)
     p.add_argument("--eval-interval", type=int, default=4)
     p.add_argument("--environment", default="reasoning_gym/letter_counting")
-    p.add_argument("--bus", help="bus URL (default: the embedded log in the job folder)")
+    p.add_argument("--kafka", metavar="HOST:PORT", help="Kafka bootstrap for the job's topics (default: the "
+                   "trainer's embedded event log)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="docs/rl_reward.png")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from k3.services.trainer.rl_job import RLJobConfig, run_rl_job
+    from k3.protos.v1 import jobs_pb2, jobs_pb2_grpc
+    from k3.services.common.client import make_channel
 
     work = Path(args.work)
     base = Path(args.base) if args.base else base_policy(work)
-    job_dir = work / f"rl-seed{args.seed}"
-    config = RLJobConfig.from_dict({
-        "checkpoint": str(base), "environments": [args.environment], "steps": args.steps,
-        "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
-        "eval_size": args.eval_size, "eval_interval": args.eval_interval, "seed": args.seed,
-        "job_dir": str(job_dir.resolve()), "bus_url": args.bus, "max_staleness": 1,
-        "partial_rollout_threshold": 0.75, "temperature": 1.0,
-    })
+    spec = {"environments": [args.environment], "steps": args.steps, "prompts_per_step": args.prompts_per_step,
+            "group_size": args.group_size, "lr": args.lr, "eval_size": args.eval_size,
+            "eval_interval": args.eval_interval, "seed": args.seed, "max_staleness": 1,
+            "partial_rollout_threshold": 0.75, "temperature": 1.0}
+    proc, address = serve_trainer(work, args.kafka)
     started = time.monotonic()
-
-    def report(event: dict) -> None:
-        if event["kind"] in ("train", "eval", "worker_restarted", "learner_restarted"):
-            keep = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in event.items()
-                    if k in ("kind", "step", "reward", "verifier_score", "eval_reward", "staleness_max", "loss",
-                             "trajectories", "step_s", "error")}
-            print(json.dumps(keep), flush=True)
-
-    result = run_rl_job(config, report=report, cancelled=lambda: False)
-    evals = result["eval_rewards"]
-    summary = {"first_eval": evals[0], "last_eval": evals[-1], "evals": evals, "wall_s": time.monotonic() - started,
-               "config": config.to_dict()}
-    (job_dir / "rl_reward.json").write_text(json.dumps(summary, indent=1))
+    try:
+        stub = jobs_pb2_grpc.JobsStub(make_channel(address))
+        job = stub.Submit(jobs_pb2.JobSpec(kind="rl", name=f"rl-reward-seed{args.seed}",
+                                           checkpoint=str(base.resolve()), spec_json=json.dumps(spec)))
+        print(f"submitted {job.id} to {address}", flush=True)
+        evals: list[list[float]] = []
+        last = None
+        for event in stub.Watch(jobs_pb2.WatchRequest(id=job.id)):
+            last = event
+            shown = {k: round(v, 4) for k, v in event.metrics.items()
+                     if k in ("reward", "eval_reward", "staleness_max", "loss", "step_s")}
+            print(json.dumps({"step": event.step, "state": event.state, **shown,
+                              **({"message": event.message} if event.message else {})}), flush=True)
+            if "eval_reward" in event.metrics:
+                evals.append([event.step, event.metrics["eval_reward"]])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    if last is None or last.state != "SUCCEEDED" or len(evals) < 2:
+        raise SystemExit(f"the job did not finish with two evaluations: {last}")
+    summary = {"job": job.id, "first_eval": evals[0], "last_eval": evals[-1], "evals": evals,
+               "wall_s": time.monotonic() - started, "spec": spec, "checkpoint": str(base),
+               "bus": f"kafka://{args.kafka}" if args.kafka else "embedded"}
+    (work / f"rl_reward-seed{args.seed}.json").write_text(json.dumps(summary, indent=1))
     plot(evals, Path(args.plot), f"{args.environment}, tiny, seed {args.seed}: "
          f"{evals[0][1]:.3f} -> {evals[-1][1]:.3f}")
     print(json.dumps({"first_eval": evals[0], "last_eval": evals[-1], "wall_s": round(summary["wall_s"])}))

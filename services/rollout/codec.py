@@ -23,6 +23,18 @@ class MalformedTrajectory(ValueError):
     """A ``k3.trajectories`` record the learner cannot use (the message says why)."""
 
 
+def trajectory_job_id(value: bytes) -> str | None:
+    """The job a record names, or None when the bytes are not a Trajectory at all.
+
+    The topic is shared by every job on the bus, so a consumer first asks whose record it is: another job's
+    record is skipped (not judged) and only an unreadable one, which names no job, is everyone's to report.
+    """
+    try:
+        return rollout_pb2.Trajectory.FromString(value).job_id
+    except (DecodeError, ValueError):
+        return None
+
+
 def decode_trajectory(value: bytes, vocab_size: int | None = None) -> rollout_pb2.Trajectory:
     try:
         t = rollout_pb2.Trajectory.FromString(value)

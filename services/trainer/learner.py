@@ -51,6 +51,7 @@ from k3.services.rollout.codec import (
     MalformedTrajectory,
     decode_trajectory,
     encode_weights,
+    trajectory_job_id,
 )
 
 log = logging.getLogger(__name__)
@@ -177,13 +178,14 @@ class Learner:
 
     def _ingest(self, record: Any) -> None:
         self._next_offset[record.partition] = max(self._next_offset.get(record.partition, 0), record.offset + 1)
+        job = trajectory_job_id(record.value)
+        if job is not None and job != self.config.job_id:  # the topic is shared by every job: not ours, not bad
+            self.counters["foreign"] += 1
+            return
         try:
             t = decode_trajectory(record.value, self.model_config.vocab_size)
         except MalformedTrajectory as exc:
             self._dead_letter(record, str(exc))
-            return
-        if t.job_id != self.config.job_id:  # the topic is shared by every job on the bus: not ours, not bad
-            self.counters["foreign"] += 1
             return
         if t.group_size != self.config.group_size:
             self._dead_letter(record, f"group_size {t.group_size}, the job's is {self.config.group_size}")

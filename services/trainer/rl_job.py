@@ -362,13 +362,32 @@ class _Job:
     def _name(self, role: str) -> str:
         return f"k3-rl-{self.cfg.resolved_job_id()}-{role}"
 
+    def _claim(self, name: str, timeout_s: float = 60.0) -> str:
+        """``name``, freed first from an actor a crashed predecessor of this driver left behind.
+
+        When the trainer dies, Ray reaps the actors its job owned only after a while; a resumed job that
+        started its actors at once would find their names taken. Killing the leftover also matters on its
+        own: a stale rollout worker would go on publishing from the spool its replacement adopts.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                stale = self.ray.get_actor(name)
+            except ValueError:
+                return name
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray actor name {name} stayed taken for {timeout_s:.0f} s after killing "
+                                   "its holder")
+            self.ray.kill(stale, no_restart=True)
+            time.sleep(0.2)
+
     def _start_learner(self):
-        actor = self.learner_cls.options(name=self._name("learner")).remote(self.cfg_dict)
+        actor = self.learner_cls.options(name=self._claim(self._name("learner"))).remote(self.cfg_dict)
         self.ray.get(actor.version.remote())  # constructed: the version-0 checkpoint exists
         return actor
 
     def _start_worker(self, i: int) -> None:
-        self.workers[i] = self.worker_cls.options(name=self._name(f"w{i}")).remote(self.cfg_dict, i)
+        self.workers[i] = self.worker_cls.options(name=self._claim(self._name(f"w{i}"))).remote(self.cfg_dict, i)
         self.runs[i] = self.workers[i].run.remote()
 
     def check_workers(self) -> None:

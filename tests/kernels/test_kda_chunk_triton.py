@@ -75,7 +75,8 @@ def _run_both(inputs, dtype, cu_seqlens=None, **flags):
     )  # fmt: skip
     assert o.dtype == dtype and ht.dtype == torch.float32 and chunks.dtype == torch.float32
     gen = torch.Generator().manual_seed(1)
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    # the kernel receives d o in o's dtype, so the reference gets that same (rounded) gradient
+    do, dht = torch.randn(o.shape, generator=gen).to(dtype), torch.randn(ht.shape, generator=gen)
     ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     ((ro * do).sum() + (rht * dht).sum()).backward()
     pairs = {"o": (o, ro), "final_state": (ht, rht), "chunk_states": (chunks, rchunks)}

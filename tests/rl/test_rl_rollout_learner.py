@@ -3,6 +3,8 @@ learner restart (idempotency), dead-lettering. Embedded bus by default, the same
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from rl_fixtures import EXACT, SMALL_ENGINE, LengthEnvironment, tiny_policy
@@ -17,6 +19,7 @@ from k3.services.rollout.codec import (
     WEIGHTS_TOPIC,
     decode_trajectory,
     encode_weights,
+    trajectory_job_id,
 )
 from k3.services.rollout.worker import RolloutWorker, WorkerConfig
 from k3.services.trainer.learner import Learner, LearnerConfig
@@ -38,6 +41,17 @@ def _worker(bus, tmp_path, job, *, env=None, threshold=0.5, staleness=1, worker_
                        groups_per_step=groups, max_staleness=staleness, partial_threshold=threshold,
                        budgets=EXACT, engine=SMALL_ENGINE, weights_wait_s=0.2)
     return RolloutWorker(cfg, model, tok, bus, str(tmp_path / "rollout"), environments={"length": env})
+
+
+def _unique_job(prefix):
+    """A job id no earlier run used: a Kafka broker keeps its topics across runs, and the topics are shared."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _job_records(bus, job):
+    """This job's records on the shared trajectories topic (others' records, readable or not, are skipped)."""
+    return [r for r in _read_all(bus, TRAJECTORIES_TOPIC, f"audit-{uuid.uuid4().hex[:8]}")
+            if trajectory_job_id(r.value) == job]
 
 
 def _read_all(bus, topic, group):
@@ -135,7 +149,7 @@ def _learner(bus, tmp_path, job, staleness=1):
 
 
 def test_learner_is_idempotent_across_a_restart_and_keeps_staleness_bounded(tmp_path, bus_url):
-    job = f"idem-{tmp_path.name}"[:60]
+    job = _unique_job("idem")
     bus = open_bus(bus_url)
     worker = _worker(bus, tmp_path, job)
     learner = _learner(bus, tmp_path, job)
@@ -158,15 +172,14 @@ def test_learner_is_idempotent_across_a_restart_and_keeps_staleness_bounded(tmp_
                 pass
         ledger_ids = [i for entry in learner.ledger for i in entry["ids"]]
         assert len(ledger_ids) == len(set(ledger_ids)) and learner.version >= 3  # nothing learned twice
-        published = {decode_trajectory(r.value).id for r in _read_all(bus, TRAJECTORIES_TOPIC, f"c-{job}")}
+        published = {decode_trajectory(r.value).id for r in _job_records(bus, job)}
         assert set(ledger_ids) <= published
         waiting = {i for g in learner._buffer.values() for i in g}
         dropped = [i for entry in learner.ledger for i in entry["dropped_ids"]]
         assert not set(dropped) & set(ledger_ids) and learner.learned == set(ledger_ids) | set(dropped)
         assert published == set(ledger_ids) | set(dropped) | waiting  # and nothing lost
         # staleness of every learned token, recomputed from the recorded versions, is within the bound
-        by_id = {decode_trajectory(r.value).id: decode_trajectory(r.value)
-                 for r in _read_all(bus, TRAJECTORIES_TOPIC, f"d-{job}")}
+        by_id = {t.id: t for t in (decode_trajectory(r.value) for r in _job_records(bus, job))}
         for entry in learner.ledger:
             for i in entry["ids"]:
                 assert entry["version"] - min(by_id[i].versions) <= 1
@@ -178,7 +191,7 @@ def test_learner_is_idempotent_across_a_restart_and_keeps_staleness_bounded(tmp_
 
 
 def test_malformed_trajectories_are_dead_lettered_and_learning_goes_on(tmp_path, bus_url):
-    job = f"dlq-{tmp_path.name}"[:60]
+    job = _unique_job("dlq")
     bus = open_bus(bus_url)
     learner = _learner(bus, tmp_path, job)
     worker = _worker(bus, tmp_path, job, threshold=1.0)

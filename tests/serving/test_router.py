@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -194,11 +195,18 @@ def test_deadline_stops_decode(cluster, stub):
 
 
 def test_deadline_stops_prefill(cluster, stub):
+    rng = random.Random(3)
+    # The deadline is set from how long this prefill takes on this machine (a third of it), so that it expires
+    # mid-prefill on a fast machine as on a slow one; the two prompts differ so the second cannot hit the cache.
+    started = time.monotonic()
+    _generate(stub, prompt_token_ids=[rng.randrange(8, 264) for _ in range(3500)],
+              sampling=inference_pb2.SamplingParams(max_tokens=1))
+    full_prefill_s = time.monotonic() - started
     before = load(cluster.prefill, "prefill").aborted
-    prompt = [random.Random(3).randrange(8, 264) for _ in range(3500)]  # several seconds of prefill
+    prompt = [rng.randrange(8, 264) for _ in range(3500)]
     request = inference_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=inference_pb2.SamplingParams(max_tokens=2))
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(request, timeout=2.5))
+        list(stub.Generate(request, timeout=full_prefill_s / 3))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: load(cluster.prefill, "prefill").aborted > before, what="prefill abort after the deadline")
     wait_for(lambda: not cluster.router.service.in_flight(), what="the router to forget the request")
