@@ -12,7 +12,11 @@ Steps (fixed seeds; CPU):
    evaluation (the job's ``eval_reward`` metric), written to ``--work``/rl_reward-seedN.json and plotted to
    ``--plot``.
 
-    python ops/bench/rl_reward.py --work runs/rl-demo --plot docs/rl_reward.png
+    python ops/bench/rl_reward.py --work runs/rl-demo --kafka 127.0.0.1:19092 --seed 0 --plot /tmp/seed0.png
+    python ops/bench/rl_reward.py --combine runs/rl-demo/rl_reward-seed*.json --plot docs/rl_reward.png
+
+Rollouts are timing-dependent (which weight version a round samples under depends on when the learner
+publishes), so runs with one seed differ; compare several seeds.
 """
 
 from __future__ import annotations
@@ -43,21 +47,37 @@ def base_policy(work: Path) -> Path:
     return sft
 
 
-def plot(evals: list[list[float]], path: Path, title: str) -> None:
+def plot(series: dict[str, list[list[float]]], path: Path, title: str) -> None:
+    """One line per run (label -> [[update, held-out reward], ...])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-    ax.plot([e[0] for e in evals], [e[1] for e in evals], marker="o")
+    for label, evals in series.items():
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label=label)
     ax.set_xlabel("learner update (weight version)")
     ax.set_ylabel("held-out mean verifier reward")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+
+
+def combine(paths: list[str], out: Path) -> int:
+    """Plot several runs' summaries (``rl_reward-seedN.json``) together and print their mean first/last."""
+    runs = {p: json.loads(Path(p).read_text()) for p in paths}
+    series = {f"seed {r['spec']['seed']}": r["evals"] for r in runs.values()}
+    first = sum(r["first_eval"][1] for r in runs.values()) / len(runs)
+    last = sum(r["last_eval"][1] for r in runs.values()) / len(runs)
+    env = next(iter(runs.values()))["spec"]["environments"][0]
+    plot(series, out, f"{env}, tiny, {len(runs)} seeds: mean {first:.3f} -> {last:.3f}")
+    print(json.dumps({"runs": len(runs), "mean_first_eval": first, "mean_last_eval": last}))
+    return 0
 
 
 def serve_trainer(work: Path, kafka: str | None) -> tuple[subprocess.Popen, str]:
@@ -86,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="learner updates (default 16)")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.002)
+    p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--eval-size", type=int, default=48)
     p.add_argument("--eval-interval", type=int, default=4)
     p.add_argument("--environment", default="reasoning_gym/letter_counting")
@@ -94,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                    "trainer's embedded event log)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="docs/rl_reward.png")
+    p.add_argument("--combine", nargs="+", metavar="JSON", help="only plot these runs' summaries together")
     args = p.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, Path(args.plot))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from k3.protos.v1 import jobs_pb2, jobs_pb2_grpc
@@ -120,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: round(v, 4) for k, v in event.metrics.items()
                      if k in ("reward", "eval_reward", "staleness_max", "loss", "step_s")}
             print(json.dumps({"step": event.step, "state": event.state, **shown,
-                              **({"message": event.message} if event.message else {})}), flush=True)
+                              **({"message": event.message} if event.message else {}),
+                              **({"checkpoint": event.checkpoint} if event.checkpoint else {})}), flush=True)
             if "eval_reward" in event.metrics:
                 evals.append([event.step, event.metrics["eval_reward"]])
     finally:
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                "wall_s": time.monotonic() - started, "spec": spec, "checkpoint": str(base),
                "bus": f"kafka://{args.kafka}" if args.kafka else "embedded"}
     (work / f"rl_reward-seed{args.seed}.json").write_text(json.dumps(summary, indent=1))
-    plot(evals, Path(args.plot), f"{args.environment}, tiny, seed {args.seed}: "
+    plot({f"seed {args.seed}": evals}, Path(args.plot), f"{args.environment}, tiny, seed {args.seed}: "
          f"{evals[0][1]:.3f} -> {evals[-1][1]:.3f}")
     print(json.dumps({"first_eval": evals[0], "last_eval": evals[-1], "wall_s": round(summary["wall_s"])}))
     return 0
