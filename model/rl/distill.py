@@ -53,6 +53,10 @@ class TeacherSet(Generic[T]):
     def keys(self) -> list[TeacherKey]:
         return sorted(self._teachers)
 
+    def has(self, domain: str, effort: str) -> bool:
+        """Whether ``for_trajectory(domain, effort)`` finds a teacher."""
+        return TeacherKey(domain, effort) in self._teachers or TeacherKey(domain, "*") in self._teachers
+
     def for_trajectory(self, domain: str, effort: str) -> T:
         for key in (TeacherKey(domain, effort), TeacherKey(domain, "*")):
             if key in self._teachers:

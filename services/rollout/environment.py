@@ -131,3 +131,14 @@ def make_environment(name: str, *, tokenizer: Any, budgets: EffortBudgets | None
     if name not in registry:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(registry))}")
     return registry[name](tokenizer=tokenizer, budgets=budgets or EffortBudgets(), seed=seed)
+
+
+def environment_domain(name: str) -> str:
+    """The domain of environment ``name`` (what picks its distillation teacher); ``ValueError`` if unknown.
+
+    The domain is the environment's own attribute, so it is read from an instance (built with the byte
+    tokenizer: the domain does not depend on the tokenizer) rather than kept in a second table here.
+    """
+    from k3.model.tokenizer import ByteTokenizer
+
+    return make_environment(name, tokenizer=ByteTokenizer()).domain

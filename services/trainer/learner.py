@@ -190,6 +190,9 @@ class Learner:
         if t.group_size != self.config.group_size:
             self._dead_letter(record, f"group_size {t.group_size}, the job's is {self.config.group_size}")
             return
+        if self._teachers is not None and self.config.distill_coef and not self._teachers.has(t.domain, t.effort):
+            self._dead_letter(record, f"no distillation teacher for domain {t.domain!r} at effort {t.effort!r}")
+            return
         if max(t.versions) > self.version:
             self._dead_letter(record, f"a token claims version {max(t.versions)}; the learner is at {self.version}")
             return

@@ -190,6 +190,8 @@ class RLJobConfig:
             isinstance(k, str) and re.fullmatch(r"[a-z_]+/(low|high|max|\*)", k) and isinstance(v, str)
             for k, v in self.teachers.items()), "teachers", 'must map "domain/effort" to checkpoint paths')
         need(not self.distill_coef or bool(self.teachers), "distill_coef", "needs teachers")
+        if self.distill_coef:
+            self._check_teacher_coverage()
         if self.bus_url is not None:
             need(isinstance(self.bus_url, str) and (self.bus_url.startswith("kafka://")
                                                      or self.bus_url.startswith("embedded:///")), "bus_url",
@@ -206,6 +208,18 @@ class RLJobConfig:
             return self.job_id
         name = re.sub(r"[^A-Za-z0-9._-]", "-", Path(self.job_dir or "rl").resolve().name)[:100]
         return name or "rl"
+
+    def _check_teacher_coverage(self) -> None:
+        """Every (environment's domain, effort) the job samples must have a teacher: found at submission,
+        not as a trajectory the learner cannot score."""
+        from k3.services.rollout.environment import environment_domain
+
+        for name in self.environments:
+            domain = environment_domain(name)
+            for effort in self.efforts:
+                if f"{domain}/{effort}" not in self.teachers and f"{domain}/*" not in self.teachers:
+                    raise ValueError(f"teachers: no teacher for domain {domain!r} at effort {effort!r} (environment "
+                                     f"{name}); add \"{domain}/{effort}\" or \"{domain}/*\"")
 
     def resolved_bus_url(self) -> str:
         return self.bus_url or f"embedded://{Path(self.job_dir).resolve() / 'bus'}"

@@ -44,3 +44,14 @@ def test_bad_specs_name_their_field(spec, field):
 def test_unknown_environment_lists_the_known_ones():
     with pytest.raises(ValueError, match="known: reasoning_gym/chain_sum"):
         RLJobConfig.from_dict({"preset": "tiny", "environments": ["gsm8k"]})
+
+
+def test_distillation_teachers_must_cover_every_domain_and_effort_sampled():
+    spec = {"preset": "tiny", "environments": ["reasoning_gym/chain_sum", "tool_use"], "efforts": ["low", "high"],
+            "distill_coef": 0.5}
+    with pytest.raises(ValueError, match="teachers: no teacher for domain 'tools' at effort 'low'"):
+        RLJobConfig.from_dict({**spec, "teachers": {"math/*": "/t/math"}})
+    with pytest.raises(ValueError, match="no teacher for domain 'math' at effort 'high'"):
+        RLJobConfig.from_dict({**spec, "teachers": {"math/low": "/t/m", "tools/*": "/t/tools"}})
+    cfg = RLJobConfig.from_dict({**spec, "teachers": {"math/low": "/t/m", "math/high": "/t/mh", "tools/*": "/t/t"}})
+    assert cfg.teachers["tools/*"] == "/t/t"

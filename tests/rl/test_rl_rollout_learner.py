@@ -3,6 +3,7 @@ learner restart (idempotency), dead-lettering. Embedded bus by default, the same
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -208,9 +209,15 @@ def test_malformed_trajectories_are_dead_lettered_and_learning_goes_on(tmp_path,
         result = learner.step(timeout_s=20)
         assert result is not None and result["trajectories"] == 4 and learner.version == 1
         ours = {garbage, bad.SerializeToString(), future.SerializeToString()}  # the topic may be shared
-        letters = [rollout_pb2.DeadLetter.FromString(r.value) for r in _read_all(bus, DEAD_LETTER_TOPIC, f"dlq-{job}")]
-        reasons = [d.reason for d in letters if d.value in ours]
-        assert len(reasons) == 3
+        # The update may come before the learner has read all three (Kafka orders records only within a
+        # partition): it keeps reading until they are dead-lettered.
+        reasons, deadline = [], time.monotonic() + 30
+        while len(reasons) < 3 and time.monotonic() < deadline:
+            learner.poll(0.5)
+            letters = [rollout_pb2.DeadLetter.FromString(r.value)
+                       for r in _read_all(bus, DEAD_LETTER_TOPIC, f"dlq-{uuid.uuid4().hex[:8]}")]
+            reasons = [d.reason for d in letters if d.value in ours]
+        assert len(reasons) == 3, reasons
         assert any("not a k3.v1.Trajectory" in r for r in reasons)
         assert any("behaviour_logprobs has 1 entries for 2 output tokens" in r for r in reasons)
         assert any("claims version 7" in r for r in reasons)
