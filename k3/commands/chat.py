@@ -6,10 +6,11 @@
   tool calls. With ``--tools FILE`` (a JSON list of OpenAI-style tool definitions) the model may call tools;
   the REPL asks you for each call's result and sends it back, one-shot mode prints the calls and exits.
 - ``k3 generate --prompt TEXT`` continues raw text (no chat format) and streams it.
-- ``--image PATH`` (repeatable) attaches images to the first user message (``--message`` or the REPL's first
-  line), before its text; in the REPL ``/image PATH`` attaches one to the next message. Images travel as
-  their file bytes (the router has them encoded by the vision service, which caches them by content, so
-  resending one in later turns costs no encoder pass).
+- ``--image PATH`` and ``--video PATH`` (repeatable) attach images and video files (MP4, WebM, GIF, ...) to
+  the first user message (``--message`` or the REPL's first line), before its text, images first; in the
+  REPL ``/image PATH`` and ``/video PATH`` attach one to the next message. Both travel as their file bytes
+  (the router has them encoded by the vision service, which caches them by content, so resending one in
+  later turns costs no encoder pass).
 
 Usage (tokens, cached tokens and cost at the router's prices) goes to stderr after each answer, so stdout
 holds only the model's text. ``stream_chat`` is the reusable part: one Chat call with callbacks per delta.
@@ -37,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="reasoning effort; none (default) answers without a think channel")
     chat.add_argument("--image", action="append", default=[], metavar="PATH",
                       help="attach an image file to the first message (repeatable)")
+    chat.add_argument("--video", action="append", default=[], metavar="PATH",
+                      help="attach a video file (MP4, WebM, GIF, ...) to the first message (repeatable)")
     chat.set_defaults(func=run_chat)
 
     generate = subparsers.add_parser("generate", help="continue a text prompt through the router")
@@ -173,23 +176,28 @@ class _Printer:
         sys.stdout.flush()
 
 
-def _read_image(path: str) -> bytes:
+def _read_media(path: str, kind: str):
+    """An ``ImageRef`` holding the file at ``path``: image bytes, or a video container (``kind`` "video")."""
     from k3.cli import CLIError
+    from k3.protos.v1 import inference_pb2, vision_pb2
 
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read()
     except OSError as exc:
-        raise CLIError(f"--image: cannot read {path}: {exc.strerror}") from None
+        raise CLIError(f"--{kind}: cannot read {path}: {exc.strerror}") from None
+    if kind == "video":
+        return inference_pb2.ImageRef(video=vision_pb2.VideoFrames(container=data))
+    return inference_pb2.ImageRef(data=data)
 
 
-def _user_message(text: str, images: list[bytes]):
-    """A user message: plain content, or image parts followed by the text when images are attached."""
+def _user_message(text: str, media: list):
+    """A user message: plain content, or image/video parts followed by the text when media are attached."""
     from k3.protos.v1 import inference_pb2
 
-    if not images:
+    if not media:
         return inference_pb2.ChatMessage(role="user", content=text)
-    parts = [inference_pb2.ContentPart(image=inference_pb2.ImageRef(data=data)) for data in images]
+    parts = [inference_pb2.ContentPart(image=ref) for ref in media]
     parts.append(inference_pb2.ContentPart(text=text))
     return inference_pb2.ChatMessage(role="user", parts=parts)
 
@@ -201,7 +209,8 @@ def run_chat(args: argparse.Namespace) -> int:
     from k3.protos.v1 import inference_pb2, inference_pb2_grpc
 
     tools_json = _load_tools(args.tools)
-    pending_images = [_read_image(path) for path in args.image]
+    pending_images = [_read_media(path, "image") for path in args.image]
+    pending_images += [_read_media(path, "video") for path in args.video]
     declared = {t["function"].get("name") for t in json.loads(tools_json or "[]")
                 if isinstance(t, dict) and isinstance(t.get("function"), dict)}
     history: list = []
@@ -251,7 +260,7 @@ def run_chat(args: argparse.Namespace) -> int:
             history.append(_user_message(args.message, pending_images))
             ask()
             return 0
-        print(f"k3 chat with {args.router} — /image PATH, /reset, /usage, /quit", file=sys.stderr)
+        print(f"k3 chat with {args.router} — /image PATH, /video PATH, /reset, /usage, /quit", file=sys.stderr)
         while True:
             try:
                 line = input("you> ")
@@ -269,9 +278,10 @@ def run_chat(args: argparse.Namespace) -> int:
                       f"{totals['generated']} generated, cost ${totals['cost']:.6f}, saved "
                       f"${totals['without'] - totals['cost']:.6f}", file=sys.stderr)
                 continue
-            if command.startswith("/image "):
+            if command.startswith(("/image ", "/video ")):
+                kind, _, path = command[1:].partition(" ")
                 try:
-                    pending_images.append(_read_image(command[len("/image "):].strip()))
+                    pending_images.append(_read_media(path.strip(), kind))
                 except CLIError as exc:
                     print(f"k3: error: {exc}", file=sys.stderr)
                 continue

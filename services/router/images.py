@@ -9,8 +9,9 @@ token ids.
 
 Design decisions:
 
-- One ``Encode`` call per request, images in prompt order, given by bytes (``ImageRef.data``) or by a content
-  hash returned by an earlier encode (``ImageRef.content_hash``). The vision service caches tokens by content
+- One ``Encode`` call per request, images in prompt order, given by bytes (``ImageRef.data``), as a video
+  (``ImageRef.video``: frames or a container file) or by a content hash returned by an earlier encode
+  (``ImageRef.content_hash``). A video is one more image to the router: one placeholder, its visual tokens. The vision service caches tokens by content
   hash, so a repeated image costs a cache lookup, not an encoder pass.
 - The vision service's errors reach the client with their status and reason, the field translated to the
   client's request: a corrupt ``media[1].image`` becomes INVALID_ARGUMENT on
@@ -94,7 +95,9 @@ class ImageResolver:
             return vision_pb2.Media(image=image.ref.data)
         if source == "content_hash":
             return vision_pb2.Media(content_hash=image.ref.content_hash)
-        raise InvalidArgument(image.field, "has no source: set data (image bytes) or content_hash",
+        if source == "video":  # frames or container: the vision service checks which, and says where it fails
+            return vision_pb2.Media(video=image.ref.video)
+        raise InvalidArgument(image.field, "has no source: set data (image bytes), video or content_hash",
                               reason="MISSING_SOURCE")
 
     def _error(self, exc: grpc.RpcError, images: list[ImageInput]) -> K3Error:
@@ -160,7 +163,8 @@ def check_placeholders(token_ids: list[int], images: list[ImageInput], prompt_fi
 
 
 def _client_field(vision_field: str, images: list[ImageInput]) -> str:
-    """``media[i].image...`` -> ``<image i's field>.data...``; ``media[i].content_hash`` likewise."""
+    """``media[i].image...`` -> ``<image i's field>.data...``; ``media[i].video...`` and
+    ``media[i].content_hash`` keep their names under the image's field."""
     if not vision_field.startswith("media["):
         return ""
     index_text, _, rest = vision_field[len("media["):].partition("]")

@@ -1,4 +1,5 @@
-"""Images through the serving path: router -> vision -> prefill -> decode, on real gRPC servers on loopback.
+"""Images and videos through the serving path: router -> vision -> prefill -> decode, on real gRPC servers on
+loopback.
 
 The cluster is ``tests/serving/router_cluster.py``'s (cache store, prefill, decode sharing the ``tiny`` model)
 plus a vision service (``vit-tiny`` with random weights, projector to the model's width 128) writing its
@@ -19,6 +20,7 @@ from k3.model.vision.media import MediaLimits, content_hash, decode_image
 from k3.protos.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, vision_pb2, vision_pb2_grpc
 from k3.services.common.client import error_detail
 from k3.services.common.server import start_server
+from k3.services.common.tensors import from_proto
 from k3.services.router.config import ModelInfo, RouterServiceConfig, UpstreamConfig
 from k3.services.router.service import RouterService
 from k3.services.vision.config import EncoderSourceConfig, VisionServiceConfig
@@ -240,6 +242,51 @@ def test_prefill_checks_visual_inputs(cluster, stub, images, token_ids, code, fi
     with pytest.raises(grpc.RpcError) as info:
         _prefill(cluster, inputs, token_ids)
     check(info.value, code, field, reason)
+
+
+def video_frames(count: int = 3, seed: int = 70) -> inference_pb2.ImageRef:
+    return inference_pb2.ImageRef(video=vision_pb2.VideoFrames(frames=[png(28, 56, seed=seed + i)
+                                                                        for i in range(count)]))
+
+
+def test_a_video_through_the_router_equals_the_single_process_model_with_its_tokens(cluster, stub):
+    video = video_frames()
+    with grpc.insecure_channel(cluster.vision.address) as ch:  # what the vision service makes of the video
+        encoded = vision_pb2_grpc.VisionStub(ch).Encode(vision_pb2.EncodeRequest(
+            media=[vision_pb2.Media(video=video.video)]), timeout=60).media[0]
+    rows = from_proto(encoded.tokens)
+    assert list(encoded.grid) == [2, 1, 2] and rows.shape[0] == 4  # 3 frames merged in time into 2 groups
+    prompt = [40, P, 41, 42]
+    responses = list(stub.Generate(inference_pb2.GenerateRequest(
+        prompt_token_ids=prompt, images=[video], sampling=SP(max_tokens=4)), timeout=120))
+    ids, spans = expand_placeholders(prompt, [rows.shape[0]])
+    logits, state = cluster.model.prefill(torch.tensor(ids), None, visual_embeds(spans, [rows]))
+    expected, token = [], int(logits[-1].argmax())
+    for _ in range(4):
+        expected.append(token)
+        logits, (state,) = cluster.model.decode(torch.tensor([token]), [state])
+        token = int(logits[0].argmax())
+    assert [t for r in responses for t in r.token_ids] == expected
+    assert responses[-1].usage.prompt_tokens == len(ids)
+    # Chat with the same video: one placeholder, and the vision cache answers (the encoder does not run again).
+    before = vision_stats(cluster)
+    assert chat(stub, chat_request(video, "What happens in the video?"))[-1].finish_reason
+    after = vision_stats(cluster)
+    assert (after.cache_hits - before.cache_hits, after.tokens_encoded - before.tokens_encoded) == (1, 0)
+
+
+@pytest.mark.parametrize("video, field, reason", [
+    (vision_pb2.VideoFrames(), "messages[0].parts[0].image.video", "EMPTY"),
+    (vision_pb2.VideoFrames(frames=[png(), png()[:50]]), "messages[0].parts[0].image.video.frames[1]", None),
+    (vision_pb2.VideoFrames(frames=[png()], container=b"x"), "messages[0].parts[0].image.video", "AMBIGUOUS_VIDEO"),
+    (vision_pb2.VideoFrames(container=b"not a video at all"), "messages[0].parts[0].image.video.container", None),
+])
+def test_bad_videos_are_refused_with_the_clients_field(stub, video, field, reason):
+    error = error_of(lambda: stub.Chat(chat_request(inference_pb2.ImageRef(video=video)), timeout=60))
+    assert error.code() == INVALID, error.details()
+    detail = error_detail(error)
+    assert detail.field == field, detail
+    assert reason is None or detail.reason == reason, detail
 
 
 def test_servers_still_serve_images_after_the_bad_inputs(cluster, stub):

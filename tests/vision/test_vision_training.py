@@ -116,10 +116,17 @@ def test_encoder_source_refuses_a_checkpoint_without_vision(tmp_path):
         EncoderSourceConfig(checkpoint=str(tmp_path)).load()
 
 
-def test_chat_cli_puts_images_before_the_text(tmp_path):
-    from k3.commands.chat import _user_message
+def test_chat_cli_puts_images_and_videos_before_the_text(tmp_path):
+    from k3.cli import CLIError
+    from k3.commands.chat import _read_media, _user_message
 
-    message = _user_message("How many?", [b"png-1", b"png-2"])
+    (tmp_path / "a.png").write_bytes(b"png-1")
+    (tmp_path / "b.mp4").write_bytes(b"mp4-2")
+    media = [_read_media(str(tmp_path / "a.png"), "image"), _read_media(str(tmp_path / "b.mp4"), "video")]
+    message = _user_message("How many?", media)
     assert [p.WhichOneof("part") for p in message.parts] == ["image", "image", "text"]
-    assert message.parts[1].image.data == b"png-2" and message.parts[2].text == "How many?"
+    assert message.parts[0].image.data == b"png-1" and message.parts[2].text == "How many?"
+    assert message.parts[1].image.video.container == b"mp4-2"
     assert _user_message("hi", []).content == "hi"
+    with pytest.raises(CLIError, match="--video: cannot read"):
+        _read_media(str(tmp_path / "missing.mp4"), "video")

@@ -23,41 +23,42 @@ _sym_db = _symbol_database.Default()
 
 
 from k3.protos.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
+from k3.protos.v1 import vision_pb2 as k3_dot_v1_dot_vision__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15k3/v1/inference.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\"\x93\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x42\x07\n\x05_seed\"\x99\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x1f\n\x06images\x18\x05 \x03(\x0b\x32\x0f.k3.v1.ImageRef\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12)\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x13.k3.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1b\n\x05usage\x18\x07 \x01(\x0b\x32\x0c.k3.v1.Usage\"\xb3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x19\n\x11reasoning_content\x18\x04 \x01(\t\x12#\n\ntool_calls\x18\x05 \x03(\x0b\x32\x0f.k3.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12!\n\x05parts\x18\x07 \x03(\x0b\x32\x12.k3.v1.ContentPart\"G\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x05image\x18\x02 \x01(\x0b\x32\x0f.k3.v1.ImageRefH\x00\x42\x06\n\x04part\"<\n\x08ImageRef\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xe2\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.k3.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x10\n\x08thinking\x18\x04 \x01(\x08\x12\x17\n\x0fthinking_effort\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12\x1c\n\x14response_format_json\x18\x07 \x01(\t\x12\'\n\x08sampling\x18\x08 \x01(\x0b\x32\x15.k3.v1.SamplingParams\"E\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x03 \x01(\t\"\xad\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bthink_delta\x18\x02 \x01(\t\x12\x16\n\x0eresponse_delta\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.k3.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1b\n\x05usage\x18\x06 \x01(\x0b\x32\x0c.k3.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xb1\x01\n\tInference\x12=\n\x08Generate\x12\x16.k3.v1.GenerateRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12\x31\n\x04\x43hat\x12\x12.k3.v1.ChatRequest\x1a\x13.k3.v1.ChatResponse0\x01\x12\x32\n\x05\x41\x62ort\x12\x13.k3.v1.AbortRequest\x1a\x14.k3.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15k3/v1/inference.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\x1a\x12k3/v1/vision.proto\"\x93\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x42\x07\n\x05_seed\"\x99\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x1f\n\x06images\x18\x05 \x03(\x0b\x32\x0f.k3.v1.ImageRef\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12)\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x13.k3.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1b\n\x05usage\x18\x07 \x01(\x0b\x32\x0c.k3.v1.Usage\"\xb3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x19\n\x11reasoning_content\x18\x04 \x01(\t\x12#\n\ntool_calls\x18\x05 \x03(\x0b\x32\x0f.k3.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\x12!\n\x05parts\x18\x07 \x03(\x0b\x32\x12.k3.v1.ContentPart\"G\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x05image\x18\x02 \x01(\x0b\x32\x0f.k3.v1.ImageRefH\x00\x42\x06\n\x04part\"a\n\x08ImageRef\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x16\n\x0c\x63ontent_hash\x18\x02 \x01(\tH\x00\x12#\n\x05video\x18\x03 \x01(\x0b\x32\x12.k3.v1.VideoFramesH\x00\x42\x08\n\x06source\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xe2\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.k3.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x10\n\x08thinking\x18\x04 \x01(\x08\x12\x17\n\x0fthinking_effort\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12\x1c\n\x14response_format_json\x18\x07 \x01(\t\x12\'\n\x08sampling\x18\x08 \x01(\x0b\x32\x15.k3.v1.SamplingParams\"E\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x03 \x01(\t\"\xad\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bthink_delta\x18\x02 \x01(\t\x12\x16\n\x0eresponse_delta\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.k3.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1b\n\x05usage\x18\x06 \x01(\x0b\x32\x0c.k3.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xb1\x01\n\tInference\x12=\n\x08Generate\x12\x16.k3.v1.GenerateRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12\x31\n\x04\x43hat\x12\x12.k3.v1.ChatRequest\x1a\x13.k3.v1.ChatResponse0\x01\x12\x32\n\x05\x41\x62ort\x12\x13.k3.v1.AbortRequest\x1a\x14.k3.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'k3.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=200
-  _globals['_GENERATEREQUEST']._serialized_start=203
-  _globals['_GENERATEREQUEST']._serialized_end=356
-  _globals['_TOKENLOGPROB']._serialized_start=358
-  _globals['_TOKENLOGPROB']._serialized_end=407
-  _globals['_GENERATERESPONSE']._serialized_start=410
-  _globals['_GENERATERESPONSE']._serialized_end=594
-  _globals['_CHATMESSAGE']._serialized_start=597
-  _globals['_CHATMESSAGE']._serialized_end=776
-  _globals['_CONTENTPART']._serialized_start=778
-  _globals['_CONTENTPART']._serialized_end=849
-  _globals['_IMAGEREF']._serialized_start=851
-  _globals['_IMAGEREF']._serialized_end=911
-  _globals['_TOOLCALL']._serialized_start=913
-  _globals['_TOOLCALL']._serialized_end=973
-  _globals['_CHATREQUEST']._serialized_start=976
-  _globals['_CHATREQUEST']._serialized_end=1202
-  _globals['_TOOLCALLDELTA']._serialized_start=1204
-  _globals['_TOOLCALLDELTA']._serialized_end=1273
-  _globals['_CHATRESPONSE']._serialized_start=1276
-  _globals['_CHATRESPONSE']._serialized_end=1449
-  _globals['_ABORTREQUEST']._serialized_start=1451
-  _globals['_ABORTREQUEST']._serialized_end=1485
-  _globals['_ABORTRESPONSE']._serialized_start=1487
-  _globals['_ABORTRESPONSE']._serialized_end=1517
-  _globals['_INFERENCE']._serialized_start=1520
-  _globals['_INFERENCE']._serialized_end=1697
+  _globals['_SAMPLINGPARAMS']._serialized_start=73
+  _globals['_SAMPLINGPARAMS']._serialized_end=220
+  _globals['_GENERATEREQUEST']._serialized_start=223
+  _globals['_GENERATEREQUEST']._serialized_end=376
+  _globals['_TOKENLOGPROB']._serialized_start=378
+  _globals['_TOKENLOGPROB']._serialized_end=427
+  _globals['_GENERATERESPONSE']._serialized_start=430
+  _globals['_GENERATERESPONSE']._serialized_end=614
+  _globals['_CHATMESSAGE']._serialized_start=617
+  _globals['_CHATMESSAGE']._serialized_end=796
+  _globals['_CONTENTPART']._serialized_start=798
+  _globals['_CONTENTPART']._serialized_end=869
+  _globals['_IMAGEREF']._serialized_start=871
+  _globals['_IMAGEREF']._serialized_end=968
+  _globals['_TOOLCALL']._serialized_start=970
+  _globals['_TOOLCALL']._serialized_end=1030
+  _globals['_CHATREQUEST']._serialized_start=1033
+  _globals['_CHATREQUEST']._serialized_end=1259
+  _globals['_TOOLCALLDELTA']._serialized_start=1261
+  _globals['_TOOLCALLDELTA']._serialized_end=1330
+  _globals['_CHATRESPONSE']._serialized_start=1333
+  _globals['_CHATRESPONSE']._serialized_end=1506
+  _globals['_ABORTREQUEST']._serialized_start=1508
+  _globals['_ABORTREQUEST']._serialized_end=1542
+  _globals['_ABORTRESPONSE']._serialized_start=1544
+  _globals['_ABORTRESPONSE']._serialized_end=1574
+  _globals['_INFERENCE']._serialized_start=1577
+  _globals['_INFERENCE']._serialized_end=1754
 # @@protoc_insertion_point(module_scope)

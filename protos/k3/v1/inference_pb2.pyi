@@ -1,4 +1,5 @@
 from k3.protos.v1 import common_pb2 as _common_pb2
+from k3.protos.v1 import vision_pb2 as _vision_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -92,12 +93,14 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageRef, _Mapping]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("data", "content_hash")
+    __slots__ = ("data", "content_hash", "video")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     content_hash: str
-    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    video: _vision_pb2.VideoFrames
+    def __init__(self, data: _Optional[bytes] = ..., content_hash: _Optional[str] = ..., video: _Optional[_Union[_vision_pb2.VideoFrames, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments_json")
