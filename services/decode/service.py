@@ -124,8 +124,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             raise AlreadyExists(f"a state for request {request.request_id!r} is already here", field="request_id")
 
         def park(state, last_logits, token_ids, cached_tokens) -> int:
-            return self.engine.load_state(request.request_id, state, last_logits, token_ids,
+            slot = self.engine.load_state(request.request_id, state, last_logits, token_ids,
                                           cached_tokens=cached_tokens)
+            self.service.key_ids.put(request.request_id, list(request.key_ids) or None)
+            return slot
 
         yield from receive_handoff(host, request, context.is_active, context.time_remaining, park)
 

@@ -224,6 +224,9 @@ def validate_header(header: engine_pb2.DistHandoffHeader, vocab_size: int, max_s
     if tokens is None or tokens.dtype != "int32" or list(tokens.shape) != [header.num_tokens]:
         raise InvalidArgument("tensors", f"must hold token_ids as int32 [num_tokens = {header.num_tokens}]",
                               reason="BAD_MANIFEST")
+    if header.key_ids and len(header.key_ids) != header.num_tokens:
+        raise InvalidArgument("key_ids", f"has {len(header.key_ids)} ids for {header.num_tokens} prompt tokens "
+                              "(empty, or one per token)", reason="BAD_KEY_IDS")
     state_bytes = sum(_nbytes(s) for s in header.tensors if s.name not in ("last_logits", "token_ids"))
     if not 0 < state_bytes <= max_state_bytes:
         raise InvalidArgument("tensors", f"state tensors must total [1, {max_state_bytes}] bytes, got "
@@ -483,8 +486,9 @@ class DistHandoffSender:
 
     def hand_off(self, address: str, channel: grpc.Channel, request_id: str, state: SequenceState,
                  last_logits: Tensor, token_ids: Sequence[int], cached_tokens: int, timeout_s: float,
-                 cancelled: Callable[[], bool]) -> engine_pb2.HandoffAck:
-        """Send one state to the decode worker at ``address``; raises ``K3Error``s (see the module docstring)."""
+                 cancelled: Callable[[], bool], key_ids: Sequence[int] | None = None) -> engine_pb2.HandoffAck:
+        """Send one state to the decode worker at ``address``; raises ``K3Error``s (see the module docstring).
+        ``key_ids``: the prompt's cache-key ids when they differ from ``token_ids`` (a prompt with images)."""
         deadline = time.monotonic() + timeout_s
         stub = engine_pb2_grpc.DecodeStub(channel)
         buffer, specs = pack(state_tensors(state, last_logits, token_ids), self.device)
@@ -493,7 +497,8 @@ class DistHandoffSender:
             with peer.lock:
                 header = engine_pb2.DistHandoffHeader(
                     request_id=request_id, group_key=peer.key, num_tokens=state.num_tokens,
-                    config_hash=state.config_hash, cached_tokens=cached_tokens, tensors=specs)
+                    config_hash=state.config_hash, cached_tokens=cached_tokens, tensors=specs,
+                    key_ids=list(key_ids or ()))
                 try:
                     return self._transfer(peer, stub, header, buffer, deadline, cancelled)
                 except _StaleGroup:

@@ -243,7 +243,7 @@ class PrefillWorker:
         timeout = self.settings.handoff_timeout_s if remaining is None else min(remaining,
                                                                                 self.settings.handoff_timeout_s)
         if self._dist is not None:
-            self._hand_off_dist(request_id, address, state, logits, ids, cached, check, timeout)
+            self._hand_off_dist(request_id, address, state, logits, ids, cached, check, timeout, key_ids)
             return
         chunks = handoff_chunks(request_id, state.to_bytes(), logits, ids, cached,
                                 self.settings.handoff_chunk_bytes, key_ids=key_ids)
@@ -266,7 +266,7 @@ class PrefillWorker:
 
 
     def _hand_off_dist(self, request_id: str, address: str, state, logits, ids: Sequence[int], cached: int,
-                       check: Callable[[], None], timeout: float) -> None:
+                       check: Callable[[], None], timeout: float, key_ids: Sequence[int] | None) -> None:
         def cancelled() -> bool:
             try:
                 check()
@@ -276,7 +276,7 @@ class PrefillWorker:
 
         try:
             self._dist.hand_off(address, self._channel(address), request_id, state, logits, ids, cached, timeout,
-                                cancelled)
+                                cancelled, key_ids)
         except K3Error:
             check()  # our own deadline or cancellation: report that, not the hand-off's symptom
             raise

@@ -19,10 +19,12 @@ import pytest
 import torch
 
 from k3.model.generate import generate
+from k3.model.multimodal import IMAGE_PLACEHOLDER_ID
 from k3.protos.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 from k3.services.common.client import error_detail
 from k3.services.common.config import ConfigError, ServerConfig
 from k3.services.common.server import start_server
+from k3.services.common.tensors import to_proto
 from k3.services.decode.config import DecodeServiceConfig, DecodeSettings
 from k3.services.decode.service import DecodeService
 from k3.services.engine.config import EngineConfig
@@ -30,6 +32,7 @@ from k3.services.engine.handoff_dist import DistHandoffConfig, pack, payload_lay
 from k3.services.engine.model_source import ModelSourceConfig
 from k3.services.prefill.config import PrefillServiceConfig, PrefillSettings
 from k3.services.prefill.service import PrefillService
+from k3.services.vision.keys import media_key_ids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,9 +87,10 @@ def decode():
         engine=EngineConfig(max_batch=4, max_slots=4, page_size=16, num_pages=512, max_context=MAX_CONTEXT,
                             parked_timeout_s=120.0),
         decode=DecodeSettings(handoff="dist", dist=DistHandoffConfig(backend="gloo", timeout_s=20)))
-    handle = start_server(DecodeService(config), config.server)
+    service = DecodeService(config)
+    handle = start_server(service, config.server)
     channel = grpc.insecure_channel(handle.address)
-    yield handle.address, engine_pb2_grpc.DecodeStub(channel)
+    yield handle.address, engine_pb2_grpc.DecodeStub(channel), service
     channel.close()
     handle.stop(grace=0)
 
@@ -120,7 +124,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def serve(prefill_stub, decode, request_id: str, ids: list[int], max_tokens: int = 6) -> list[int]:
-    address, decode_stub = decode
+    address, decode_stub = decode[:2]
     response = prefill_stub.Prefill(engine_pb2.PrefillRequest(request_id=request_id, token_ids=ids,
                                                               decode_address=address), timeout=120)
     assert response.computed_tokens == len(ids)
@@ -141,6 +145,25 @@ def test_dist_handoff_serves_the_same_greedy_tokens_as_grpc(decode, prefills, mo
         via_dist = serve(prefills["dist"], decode, f"dist-{i}", ids)
         expected = generate(model, ids, 6).token_ids
         assert via_dist == via_grpc == expected
+    assert free_slots(decode) == 4
+
+
+def test_dist_handoff_carries_the_key_ids_of_a_prompt_with_an_image(decode, prefills):
+    # Decode keys its end-of-turn checkpoint by these ids, so that a prompt with an image is found again by
+    # its image's content, whichever path the state took.
+    address, decode_stub, service = decode
+    ids = [40, 41, *[IMAGE_PLACEHOLDER_ID] * 4, 42, 43]
+    digest = bytes(range(32))
+    image = engine_pb2.VisualInput(start=2, content_hash=digest.hex(),
+                                   embeddings=to_proto(torch.randn(4, 128, generator=torch.Generator().manual_seed(0))))
+    expected = media_key_ids(ids, [(2, 4, digest)])
+    assert expected != ids
+    for path in ("grpc", "dist"):
+        request_id = f"keys-{path}"
+        prefills[path].Prefill(engine_pb2.PrefillRequest(request_id=request_id, token_ids=ids, images=[image],
+                                                         decode_address=address), timeout=120)
+        assert service.key_ids.pop(request_id) == expected, path
+        assert decode_stub.CancelDecode(engine_pb2.CancelRequestById(request_id=request_id)).found
     assert free_slots(decode) == 4
 
 
@@ -263,6 +286,12 @@ def test_header_validation_names_the_field():
         with pytest.raises(Exception) as info:
             validate_header(bad, 10, 1 << 20)
         assert info.value.field == field
+    bad = engine_pb2.DistHandoffHeader()
+    bad.CopyFrom(good)
+    bad.key_ids.extend([1, 2])  # one prompt token, two key ids
+    with pytest.raises(Exception) as info:
+        validate_header(bad, 10, 1 << 20)
+    assert (info.value.field, info.value.reason) == ("key_ids", "BAD_KEY_IDS")
     bad = engine_pb2.DistHandoffHeader()
     bad.CopyFrom(good)
     bad.tensors[0].shape[0] = -1

@@ -26,7 +26,7 @@ from k3.protos.v1 import common_pb2 as k3_dot_v1_dot_common__pb2
 from k3.protos.v1 import inference_pb2 as k3_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/engine.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\x1a\x15k3/v1/inference.proto\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cmessage_ends\x18\x03 \x03(\x05\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\"\n\x06images\x18\x05 \x03(\x0b\x32\x12.k3.v1.VisualInput\"U\n\x0bVisualInput\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x02 \x01(\t\x12!\n\nembeddings\x18\x03 \x01(\x0b\x32\r.k3.v1.Tensor\"\x88\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x05\x12\x1a\n\x12\x63heckpoints_stored\x18\x05 \x01(\x05\"\x96\x01\n\x0cHandoffChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\x13\n\x0blast_logits\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07key_ids\x18\x07 \x03(\r\".\n\nHandoffAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"%\n\x12\x44istConnectRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\"M\n\x13\x44istConnectResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x9e\x01\n\x11\x44istHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_hash\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\"\n\x07tensors\x18\x06 \x03(\x0b\x32\x11.k3.v1.TensorSpec\"A\n\x10\x44istHandoffReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1e\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.k3.v1.HandoffAck\"z\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0cmessage_ends\x18\x04 \x03(\x05\"\'\n\x11\x43\x61ncelRequestById\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"n\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x18\n\x10tokens_processed\x18\x03 \x01(\x03\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x03\x32\xb6\x01\n\x07Prefill\x12\x38\n\x07Prefill\x12\x15.k3.v1.PrefillRequest\x1a\x16.k3.v1.PrefillResponse\x12@\n\rCancelPrefill\x12\x18.k3.v1.CancelRequestById\x1a\x15.k3.v1.CancelResponse\x12/\n\x04Load\x12\x12.k3.v1.LoadRequest\x1a\x13.k3.v1.LoadResponse2\xf4\x02\n\x06\x44\x65\x63ode\x12\x33\n\x07Handoff\x12\x13.k3.v1.HandoffChunk\x1a\x11.k3.v1.HandoffAck(\x01\x12\x39\n\x06Stream\x12\x14.k3.v1.StreamRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12?\n\x0c\x43\x61ncelDecode\x12\x18.k3.v1.CancelRequestById\x1a\x15.k3.v1.CancelResponse\x12/\n\x04Load\x12\x12.k3.v1.LoadRequest\x1a\x13.k3.v1.LoadResponse\x12\x44\n\x0b\x44istConnect\x12\x19.k3.v1.DistConnectRequest\x1a\x1a.k3.v1.DistConnectResponse\x12\x42\n\x0b\x44istHandoff\x12\x18.k3.v1.DistHandoffHeader\x1a\x17.k3.v1.DistHandoffReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12k3/v1/engine.proto\x12\x05k3.v1\x1a\x12k3/v1/common.proto\x1a\x15k3/v1/inference.proto\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cmessage_ends\x18\x03 \x03(\x05\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\"\n\x06images\x18\x05 \x03(\x0b\x32\x12.k3.v1.VisualInput\"U\n\x0bVisualInput\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x14\n\x0c\x63ontent_hash\x18\x02 \x01(\t\x12!\n\nembeddings\x18\x03 \x01(\x0b\x32\r.k3.v1.Tensor\"\x88\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\x05\x12\x1a\n\x12\x63heckpoints_stored\x18\x05 \x01(\x05\"\x96\x01\n\x0cHandoffChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\x13\n\x0blast_logits\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07key_ids\x18\x07 \x03(\r\".\n\nHandoffAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"%\n\x12\x44istConnectRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\"M\n\x13\x44istConnectResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\xaf\x01\n\x11\x44istHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onfig_hash\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\x12\"\n\x07tensors\x18\x06 \x03(\x0b\x32\x11.k3.v1.TensorSpec\x12\x0f\n\x07key_ids\x18\x07 \x03(\r\"A\n\x10\x44istHandoffReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1e\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.k3.v1.HandoffAck\"z\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.k3.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0cmessage_ends\x18\x04 \x03(\x05\"\'\n\x11\x43\x61ncelRequestById\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"n\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x18\n\x10tokens_processed\x18\x03 \x01(\x03\x12\x12\n\nfree_slots\x18\x04 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x03\x32\xb6\x01\n\x07Prefill\x12\x38\n\x07Prefill\x12\x15.k3.v1.PrefillRequest\x1a\x16.k3.v1.PrefillResponse\x12@\n\rCancelPrefill\x12\x18.k3.v1.CancelRequestById\x1a\x15.k3.v1.CancelResponse\x12/\n\x04Load\x12\x12.k3.v1.LoadRequest\x1a\x13.k3.v1.LoadResponse2\xf4\x02\n\x06\x44\x65\x63ode\x12\x33\n\x07Handoff\x12\x13.k3.v1.HandoffChunk\x1a\x11.k3.v1.HandoffAck(\x01\x12\x39\n\x06Stream\x12\x14.k3.v1.StreamRequest\x1a\x17.k3.v1.GenerateResponse0\x01\x12?\n\x0c\x43\x61ncelDecode\x12\x18.k3.v1.CancelRequestById\x1a\x15.k3.v1.CancelResponse\x12/\n\x04Load\x12\x12.k3.v1.LoadRequest\x1a\x13.k3.v1.LoadResponse\x12\x44\n\x0b\x44istConnect\x12\x19.k3.v1.DistConnectRequest\x1a\x1a.k3.v1.DistConnectResponse\x12\x42\n\x0b\x44istHandoff\x12\x18.k3.v1.DistHandoffHeader\x1a\x17.k3.v1.DistHandoffReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,21 +50,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISTCONNECTRESPONSE']._serialized_start=736
   _globals['_DISTCONNECTRESPONSE']._serialized_end=813
   _globals['_DISTHANDOFFHEADER']._serialized_start=816
-  _globals['_DISTHANDOFFHEADER']._serialized_end=974
-  _globals['_DISTHANDOFFREPLY']._serialized_start=976
-  _globals['_DISTHANDOFFREPLY']._serialized_end=1041
-  _globals['_STREAMREQUEST']._serialized_start=1043
-  _globals['_STREAMREQUEST']._serialized_end=1165
-  _globals['_CANCELREQUESTBYID']._serialized_start=1167
-  _globals['_CANCELREQUESTBYID']._serialized_end=1206
-  _globals['_CANCELRESPONSE']._serialized_start=1208
-  _globals['_CANCELRESPONSE']._serialized_end=1239
-  _globals['_LOADREQUEST']._serialized_start=1241
-  _globals['_LOADREQUEST']._serialized_end=1254
-  _globals['_LOADRESPONSE']._serialized_start=1256
-  _globals['_LOADRESPONSE']._serialized_end=1366
-  _globals['_PREFILL']._serialized_start=1369
-  _globals['_PREFILL']._serialized_end=1551
-  _globals['_DECODE']._serialized_start=1554
-  _globals['_DECODE']._serialized_end=1926
+  _globals['_DISTHANDOFFHEADER']._serialized_end=991
+  _globals['_DISTHANDOFFREPLY']._serialized_start=993
+  _globals['_DISTHANDOFFREPLY']._serialized_end=1058
+  _globals['_STREAMREQUEST']._serialized_start=1060
+  _globals['_STREAMREQUEST']._serialized_end=1182
+  _globals['_CANCELREQUESTBYID']._serialized_start=1184
+  _globals['_CANCELREQUESTBYID']._serialized_end=1223
+  _globals['_CANCELRESPONSE']._serialized_start=1225
+  _globals['_CANCELRESPONSE']._serialized_end=1256
+  _globals['_LOADREQUEST']._serialized_start=1258
+  _globals['_LOADREQUEST']._serialized_end=1271
+  _globals['_LOADRESPONSE']._serialized_start=1273
+  _globals['_LOADRESPONSE']._serialized_end=1383
+  _globals['_PREFILL']._serialized_start=1386
+  _globals['_PREFILL']._serialized_end=1568
+  _globals['_DECODE']._serialized_start=1571
+  _globals['_DECODE']._serialized_end=1943
 # @@protoc_insertion_point(module_scope)

@@ -99,20 +99,22 @@ class DistConnectResponse(_message.Message):
     def __init__(self, group_key: _Optional[str] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class DistHandoffHeader(_message.Message):
-    __slots__ = ("request_id", "group_key", "num_tokens", "config_hash", "cached_tokens", "tensors")
+    __slots__ = ("request_id", "group_key", "num_tokens", "config_hash", "cached_tokens", "tensors", "key_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KEY_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group_key: str
     num_tokens: int
     config_hash: str
     cached_tokens: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, request_id: _Optional[str] = ..., group_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., config_hash: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    key_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., group_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., config_hash: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., key_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DistHandoffReply(_message.Message):
     __slots__ = ("ready", "ack")
