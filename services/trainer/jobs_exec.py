@@ -35,7 +35,7 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 def execute(kind: str, params: dict[str, Any], run_dir: str | Path, *, report: Callable[[dict[str, Any]], None],
             cancelled: Callable[[], bool], data_cache_dir: str | None = None, bus_url: str | None = None,
-            job_id: str | None = None) -> dict[str, Any]:
+            job_id: str | None = None, otlp_endpoint: str | None = None) -> dict[str, Any]:
     """Run the job to its end or until ``cancelled()``; see the module docstring."""
     run_dir = Path(run_dir)
     resume = has_checkpoint(run_dir)
@@ -62,6 +62,8 @@ def execute(kind: str, params: dict[str, Any], run_dir: str | Path, *, report: C
             values["bus_url"] = bus_url
         if job_id is not None:
             values["job_id"] = job_id
+        if otlp_endpoint is not None:
+            values["otlp_endpoint"] = otlp_endpoint
         config = rl_job.RLJobConfig.from_dict(values)
         result = rl_job.run_rl_job(config, report=report, cancelled=cancelled)
         return dict(result or {})

@@ -93,6 +93,10 @@ class RLJobConfig:
     """Where the job writes (set by the Jobs service); required to run."""
     job_id: str | None = None
     """Name of the job on the bus (topic keys, consumer groups); default: derived from ``job_dir``."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector (host:port) the actors push their metrics to (``k3.rl.reward`` from the rollout
+    workers as ``k3-rl-rollout``, ``k3.rl.staleness`` from the learner as ``k3-rl-learner``); set by the
+    trainer from its own ``server.otlp_endpoint``; None: the actors record nothing."""
     threads: int = 1
     """torch threads per actor process."""
     step_timeout_s: float = 600.0
@@ -115,7 +119,7 @@ class RLJobConfig:
             if key not in names:
                 raise ValueError(f"{key}: unknown field of an RL job (known: {', '.join(sorted(names))})")
         cfg = cls(**{k: v for k, v in d.items() if v is not None or k in ("preset", "checkpoint", "bus_url",
-                                                                           "job_dir", "job_id")})
+                                                                           "job_dir", "job_id", "otlp_endpoint")})
         cfg.validate()
         return cfg
 
@@ -196,6 +200,9 @@ class RLJobConfig:
             need(isinstance(self.bus_url, str) and (self.bus_url.startswith("kafka://")
                                                      or self.bus_url.startswith("embedded:///")), "bus_url",
                  "must be kafka://host:port[,host:port] or embedded:///absolute/path")
+        if self.otlp_endpoint is not None:
+            need(isinstance(self.otlp_endpoint, str) and re.fullmatch(r"[^\s:/]+:\d{1,5}", self.otlp_endpoint)
+                 is not None, "otlp_endpoint", "must be host:port")
         if self.job_id is not None:
             need(isinstance(self.job_id, str) and re.fullmatch(r"[A-Za-z0-9._-]{1,100}", self.job_id) is not None,
                  "job_id", "must be 1-100 letters, digits, '.', '_' or '-'")
@@ -256,6 +263,24 @@ def _held_out(cfg: RLJobConfig, envs: dict) -> list:
             for i in range(cfg.eval_size)]
 
 
+def _actor_telemetry(cfg: RLJobConfig, service: str):
+    """Metric providers pushing to ``cfg.otlp_endpoint`` every few seconds (no traces), or None without one.
+
+    Actors are processes Ray places anywhere, with no port to scrape, so they push (OTLP) instead of serving
+    a Prometheus endpoint; the collector exposes the series next to the services' own.
+    """
+    if cfg.otlp_endpoint is None:
+        return None
+    from k3.services.common.config import ServerConfig
+    from k3.services.common.telemetry import setup_telemetry
+
+    return setup_telemetry(service, ServerConfig(otlp_endpoint=cfg.otlp_endpoint, tracing=False, metrics=True))
+
+
+def _meter(telemetry):
+    return telemetry.meter() if telemetry is not None else None
+
+
 class LearnerActor:
     """The learner in its own process (wrapped with ``ray.remote`` by ``run_rl_job``)."""
 
@@ -274,12 +299,13 @@ class LearnerActor:
         else:
             model, model_config, tokenizer = _starting_policy(cfg)
         self.bus = open_bus(cfg.resolved_bus_url())
+        self.telemetry = _actor_telemetry(cfg, "rl-learner")
         self.learner = Learner(LearnerConfig(
             job_id=cfg.resolved_job_id(), job_dir=cfg.job_dir, group_size=cfg.group_size,
             groups_per_step=cfg.prompts_per_step, max_staleness=cfg.max_staleness, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
             weight_decay=cfg.weight_decay, clip_eps=cfg.clip_eps, weight_cap=cfg.weight_cap,
             minibatches=cfg.minibatches, grad_clip=cfg.grad_clip, seed=cfg.seed, teachers=dict(cfg.teachers),
-            distill_coef=cfg.distill_coef), self.bus, model, model_config, tokenizer)
+            distill_coef=cfg.distill_coef), self.bus, model, model_config, tokenizer, meter=_meter(self.telemetry))
         self.envs = {name: make_environment(name, tokenizer=tokenizer, budgets=cfg.budgets(), seed=cfg.seed)
                      for name in cfg.environments}
         self.eval_problems = _held_out(cfg, self.envs)
@@ -307,6 +333,8 @@ class LearnerActor:
     def close(self) -> None:
         self.learner.close()
         self.bus.close()
+        if self.telemetry is not None:
+            self.telemetry.shutdown()  # flushes the last metrics to the collector
 
 
 class RolloutActor:
@@ -326,13 +354,14 @@ class RolloutActor:
             raise RuntimeError(f"{cfg.job_dir} has no learner checkpoint yet; start the learner first")
         model, _, tokenizer = ckpt.load_model(latest)
         self.bus = open_bus(cfg.resolved_bus_url())
+        self.telemetry = _actor_telemetry(cfg, "rl-rollout")
         self.worker = RolloutWorker(WorkerConfig(
             job_id=cfg.resolved_job_id(), worker_id=f"w{worker_index}", worker_index=worker_index,
             num_workers=cfg.num_workers, environments=tuple(cfg.environments), efforts=tuple(cfg.efforts),
             group_size=cfg.group_size, groups_per_step=cfg.prompts_per_step // cfg.num_workers,
             max_staleness=cfg.max_staleness, partial_threshold=cfg.partial_rollout_threshold,
             temperature=cfg.temperature, seed=cfg.seed, budgets=cfg.budgets()),
-            model, tokenizer, self.bus, str(Path(cfg.job_dir) / "rollout"))
+            model, tokenizer, self.bus, str(Path(cfg.job_dir) / "rollout"), meter=_meter(self.telemetry))
         self.worker.version = int(ckpt.read_trainer_state(latest)["version"])
         self._stop = threading.Event()
 
@@ -351,6 +380,8 @@ class RolloutActor:
     def close(self) -> None:
         self.worker.close()
         self.bus.close()
+        if self.telemetry is not None:
+            self.telemetry.shutdown()
 
 
 # ==================================================================================================== driver

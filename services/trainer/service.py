@@ -286,7 +286,7 @@ class Trainer:
         if kind == "pretrain":
             return {"data_cache_dir": self.data_cache_dir}
         if kind == "rl":
-            return {"bus_url": self.bus_url, "job_id": job_id}
+            return {"bus_url": self.bus_url, "job_id": job_id, "otlp_endpoint": self.config.server.otlp_endpoint}
         return {}
 
     def _start(self, record: JobRecord, validated: ValidatedSpec | None = None) -> None:

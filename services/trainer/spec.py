@@ -68,7 +68,7 @@ SFT_FIELDS: Mapping[str, str] = {
     **_COMMON, "eval_conversations": "eval_conversations", "data.mix": "mix",
 }
 """Spec path (``spec_json.<path>``) -> ``SFTConfig`` field."""
-RL_TRAINER_FIELDS = ("job_dir", "job_id", "bus_url")
+RL_TRAINER_FIELDS = ("job_dir", "job_id", "bus_url", "otlp_endpoint")
 """``RLJobConfig`` fields the trainer sets for every RL job."""
 SECTIONS = ("optimizer", "data")
 """Keys of ``spec_json`` that are objects of further fields."""

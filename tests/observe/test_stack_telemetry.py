@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 import urllib.request
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
+from otlp_receiver import OTLPReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
 from k3.protos.v1 import inference_pb2, inference_pb2_grpc
@@ -51,33 +48,6 @@ STACK = (*WORKERS, EXPERTS)
 PROMPT = ("Trace one request through every k3 service, then measure it. " * 20)[:1100]
 SERVER_KIND = trace_pb2.Span.SPAN_KIND_SERVER
 CLIENT_KIND = trace_pb2.Span.SPAN_KIND_CLIENT
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer):
-    """An OTLP/gRPC receiver keeping every span (with its resource's service.name) it is sent."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.spans: list[tuple[str, trace_pb2.Span]] = []
-        self.metric_names: dict[str, set[str]] = {}
-
-    def Export(self, request, context):
-        if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
-            with self._lock:
-                for resource_spans in request.resource_spans:
-                    service = _service_name(resource_spans.resource)
-                    for scope in resource_spans.scope_spans:
-                        self.spans.extend((service, span) for span in scope.spans)
-            return trace_service_pb2.ExportTraceServiceResponse()
-        with self._lock:
-            for resource_metrics in request.resource_metrics:
-                names = self.metric_names.setdefault(_service_name(resource_metrics.resource), set())
-                names.update(m.name for scope in resource_metrics.scope_metrics for m in scope.metrics)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
-
-
-def _service_name(resource) -> str:
-    return next((a.value.string_value for a in resource.attributes if a.key == "service.name"), "")
 
 
 def expected_series(service: str) -> set[str]:
@@ -132,13 +102,8 @@ def prometheus_names(prometheus: LocalPrometheus) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> StackRun:
-    receiver = Receiver()
-    otlp = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, otlp)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, otlp)
-    otlp_port = otlp.add_insecure_port(f"{HOST}:0")
-    otlp.start()
-    sections = {name: {"server": {"otlp_endpoint": f"{HOST}:{otlp_port}"}} for name in STACK}
+    receiver = OTLPReceiver(HOST).start()
+    sections = {name: {"server": {"otlp_endpoint": receiver.endpoint}} for name in STACK}
     config = LaunchConfig(services=sections, preset="tiny", router_port=0, expert_pools=1, host=HOST,
                           startup_timeout=240, stop_grace=30)
     targets: dict[str, str | list[str]] = dict(assign_metrics_ports(config.services, WORKERS, HOST))
@@ -178,7 +143,7 @@ def run(tmp_path_factory) -> StackRun:
         if prometheus is not None:
             prometheus.stop()
         launcher.stop()  # SIGTERM: each service flushes its span and metric exporters on the way out
-        otlp.stop(grace=5).wait()
+        receiver.stop()
     return StackRun(responses, scraped, series, list(receiver.spans), receiver.metric_names, lines)
 
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +24,9 @@ from k3.services.common.client import error_detail, make_channel
 from k3.services.common.config import ServerConfig, load_config
 from k3.services.common.server import start_server
 from k3.services.trainer.service import Trainer, TrainerService, TrainerServiceConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "observe"))
+from otlp_receiver import OTLPReceiver  # noqa: E402
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("k3.services.trainer.rl_job")
@@ -66,12 +70,14 @@ def check_finished_rl_job(events, steps: int) -> None:
 
 
 def test_rl_job_over_grpc_end_to_end_and_bad_rl_specs(ray_runtime, tmp_path):
-    handle, stub = in_process_trainer(tmp_path)
+    receiver = OTLPReceiver().start()  # the trainer's collector: its RL actors push their metrics there
+    handle, stub = in_process_trainer(tmp_path, **{"server.otlp_endpoint": receiver.endpoint})
     try:
         for body, field, reason in [({"environments": ["chess"]}, "spec_json.environments", "UNKNOWN_ENVIRONMENT"),
                                     ({"max_staleness": -1}, "spec_json.max_staleness", "BAD_VALUE"),
                                     ({"efforts": ["extreme"]}, "spec_json.efforts", "BAD_VALUE"),
-                                    ({"job_dir": "/etc"}, "spec_json.job_dir", "UNEXPECTED_FIELD")]:
+                                    ({"job_dir": "/etc"}, "spec_json.job_dir", "UNEXPECTED_FIELD"),
+                                    ({"otlp_endpoint": "h:1"}, "spec_json.otlp_endpoint", "UNEXPECTED_FIELD")]:
             with pytest.raises(grpc.RpcError) as info:
                 stub.Submit(jobs_pb2.JobSpec(kind="rl", preset="tiny", spec_json=json.dumps(body)))
             detail = error_detail(info.value)
@@ -81,6 +87,10 @@ def test_rl_job_over_grpc_end_to_end_and_bad_rl_specs(ray_runtime, tmp_path):
         check_finished_rl_job(events, 2)
     finally:
         handle.stop()
+        receiver.stop()
+    # The actors flushed their metrics when the job closed them.
+    assert "k3.rl.reward" in receiver.metric_names.get("k3-rl-rollout", set()), receiver.metric_names
+    assert "k3.rl.staleness" in receiver.metric_names.get("k3-rl-learner", set()), receiver.metric_names
 
 
 @pytest.mark.kafka
