@@ -264,7 +264,7 @@ def _held_out(cfg: RLJobConfig, envs: dict) -> list:
 
 
 def _actor_telemetry(cfg: RLJobConfig, service: str):
-    """Metric providers pushing to ``cfg.otlp_endpoint`` every few seconds (no traces), or None without one.
+    """Metric providers pushing to ``cfg.otlp_endpoint`` periodically and on close (no traces), or None without one.
 
     Actors are processes Ray places anywhere, with no port to scrape, so they push (OTLP) instead of serving
     a Prometheus endpoint; the collector exposes the series next to the services' own.
