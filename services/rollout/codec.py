@@ -23,23 +23,21 @@ class MalformedTrajectory(ValueError):
     """A ``k3.trajectories`` record the learner cannot use (the message says why)."""
 
 
-def trajectory_job_id(value: bytes) -> str | None:
-    """The job a record names, or None when the bytes are not a Trajectory at all.
+def parse_trajectory(value: bytes) -> rollout_pb2.Trajectory:
+    """The record as a ``k3.v1.Trajectory``, not yet checked; ``MalformedTrajectory`` if it does not parse.
 
-    The topic is shared by every job on the bus, so a consumer first asks whose record it is: another job's
-    record is skipped (not judged) and only an unreadable one, which names no job, is everyone's to report.
+    The topic is shared by every job on the bus, so a consumer parses first and asks whose record it is:
+    another job's record is skipped (not judged), and only an unreadable one, which names no job, is
+    everyone's to report.
     """
     try:
-        return rollout_pb2.Trajectory.FromString(value).job_id
-    except (DecodeError, ValueError):
-        return None
-
-
-def decode_trajectory(value: bytes, vocab_size: int | None = None) -> rollout_pb2.Trajectory:
-    try:
-        t = rollout_pb2.Trajectory.FromString(value)
+        return rollout_pb2.Trajectory.FromString(value)
     except (DecodeError, ValueError) as exc:
         raise MalformedTrajectory(f"not a k3.v1.Trajectory: {exc}") from None
+
+
+def validate_trajectory(t: rollout_pb2.Trajectory, vocab_size: int | None = None) -> rollout_pb2.Trajectory:
+    """``t`` itself when it is self-consistent (module docstring); ``MalformedTrajectory`` saying why otherwise."""
     if not t.id:
         raise MalformedTrajectory("id is empty")
     if not t.group_id:
@@ -70,6 +68,11 @@ def decode_trajectory(value: bytes, vocab_size: int | None = None) -> rollout_pb
             if bad is not None:
                 raise MalformedTrajectory(f"{name} holds {bad}, outside the vocabulary [0, {vocab_size})")
     return t
+
+
+def decode_trajectory(value: bytes, vocab_size: int | None = None) -> rollout_pb2.Trajectory:
+    """``parse_trajectory`` then ``validate_trajectory``."""
+    return validate_trajectory(parse_trajectory(value), vocab_size)
 
 
 def encode_weights(job_id: str, version: int, path: str, accepted: int, final: bool = False) -> bytes:

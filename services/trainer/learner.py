@@ -2,11 +2,12 @@
 
 One ``Learner.step()``:
 
-1. **Consume.** Records are polled from ``k3.trajectories`` in the job's consumer group. Each is validated
-   (``codec.decode_trajectory``); a malformed one or one claiming a version the learner has not published goes
-   to ``k3.trajectories.dlq`` as a ``DeadLetter`` with the reason, and the learner keeps going. Trajectories of
-   other jobs (the topic is shared) are skipped and counted. Trajectories already learned from (their id is in the learned set) are skipped: the
-   bus delivers at least once and a worker may publish a trajectory twice.
+1. **Consume.** Records are polled from ``k3.trajectories`` in the job's consumer group. Each is parsed, other
+   jobs' trajectories (the topic is shared) are skipped and counted, and ours are validated
+   (``codec.validate_trajectory``); a malformed one or one claiming a version the learner has not published
+   goes to ``k3.trajectories.dlq`` as a ``DeadLetter`` with the reason, and the learner keeps going.
+   Trajectories already learned from (their id is in the learned set) are skipped: the bus delivers at least
+   once and a worker may publish a trajectory twice.
 2. **Group.** Trajectories wait until their GRPO group is complete; a batch is the first ``groups_per_step``
    complete groups.
 3. **Staleness.** A group is learned from only if every policy token of every member is at most
@@ -49,9 +50,9 @@ from k3.services.rollout.codec import (
     TRAJECTORIES_TOPIC,
     WEIGHTS_TOPIC,
     MalformedTrajectory,
-    decode_trajectory,
     encode_weights,
-    trajectory_job_id,
+    parse_trajectory,
+    validate_trajectory,
 )
 
 log = logging.getLogger(__name__)
@@ -178,12 +179,12 @@ class Learner:
 
     def _ingest(self, record: Any) -> None:
         self._next_offset[record.partition] = max(self._next_offset.get(record.partition, 0), record.offset + 1)
-        job = trajectory_job_id(record.value)
-        if job is not None and job != self.config.job_id:  # the topic is shared by every job: not ours, not bad
-            self.counters["foreign"] += 1
-            return
         try:
-            t = decode_trajectory(record.value, self.model_config.vocab_size)
+            t = parse_trajectory(record.value)
+            if t.job_id != self.config.job_id:  # the topic is shared by every job: not ours, not bad
+                self.counters["foreign"] += 1
+                return
+            validate_trajectory(t, self.model_config.vocab_size)
         except MalformedTrajectory as exc:
             self._dead_letter(record, str(exc))
             return

@@ -18,9 +18,10 @@ from k3.services.rollout.codec import (
     DEAD_LETTER_TOPIC,
     TRAJECTORIES_TOPIC,
     WEIGHTS_TOPIC,
+    MalformedTrajectory,
     decode_trajectory,
     encode_weights,
-    trajectory_job_id,
+    parse_trajectory,
 )
 from k3.services.rollout.worker import RolloutWorker, WorkerConfig
 from k3.services.trainer.learner import Learner, LearnerConfig
@@ -51,8 +52,13 @@ def _unique_job(prefix):
 
 def _job_records(bus, job):
     """This job's records on the shared trajectories topic (others' records, readable or not, are skipped)."""
-    return [r for r in _read_all(bus, TRAJECTORIES_TOPIC, f"audit-{uuid.uuid4().hex[:8]}")
-            if trajectory_job_id(r.value) == job]
+    def whose(value):
+        try:
+            return parse_trajectory(value).job_id
+        except MalformedTrajectory:
+            return None
+
+    return [r for r in _read_all(bus, TRAJECTORIES_TOPIC, f"audit-{uuid.uuid4().hex[:8]}") if whose(r.value) == job]
 
 
 def _read_all(bus, topic, group):
