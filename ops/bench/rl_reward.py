@@ -82,8 +82,8 @@ def combine(paths: list[str], out: Path) -> int:
 
 def serve_trainer(work: Path, kafka: str | None) -> tuple[subprocess.Popen, str]:
     """``k3 serve trainer`` on a free loopback port (its own local Ray); returns the process and its address."""
-    trainer: dict = {"jobs_dir": str((work / "jobs").resolve())}
-    config = {"trainer": trainer, "server": {"metrics": False, "tracing": False}}
+    config: dict = {"trainer": {"jobs_dir": str((work / "jobs").resolve())},
+                    "server": {"metrics": False, "tracing": False}}
     if kafka:
         config["kafka_bootstrap"] = kafka
     path = work / "trainer.json"
