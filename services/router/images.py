@@ -11,8 +11,9 @@ Design decisions:
 
 - One ``Encode`` call per request, images in prompt order, given by bytes (``ImageRef.data``), as a video
   (``ImageRef.video``: frames or a container file) or by a content hash returned by an earlier encode
-  (``ImageRef.content_hash``). A video is one more image to the router: one placeholder, its visual tokens. The vision service caches tokens by content
-  hash, so a repeated image costs a cache lookup, not an encoder pass.
+  (``ImageRef.content_hash``). A video is one more image to the router: one placeholder, its visual tokens.
+  The vision service caches tokens by content hash, so a repeated image costs a cache lookup, not an encoder
+  pass.
 - The vision service's errors reach the client with their status and reason, the field translated to the
   client's request: a corrupt ``media[1].image`` becomes INVALID_ARGUMENT on
   ``messages[0].parts[2].image.data``, an unknown reference NOT_FOUND on ``...image.content_hash``.

@@ -219,12 +219,14 @@ class RLJobConfig:
     def _check_teacher_coverage(self) -> None:
         """Every (environment's domain, effort) the job samples must have a teacher: found at submission,
         not as a trajectory the learner cannot score."""
+        from k3.model.rl.distill import TeacherSet
         from k3.services.rollout.environment import environment_domain
 
+        teachers = TeacherSet({tuple(key.split("/")): path for key, path in self.teachers.items()})
         for name in self.environments:
             domain = environment_domain(name)
             for effort in self.efforts:
-                if f"{domain}/{effort}" not in self.teachers and f"{domain}/*" not in self.teachers:
+                if not teachers.has(domain, effort):
                     raise ValueError(f"teachers: no teacher for domain {domain!r} at effort {effort!r} (environment "
                                      f"{name}); add \"{domain}/{effort}\" or \"{domain}/*\"")
 
