@@ -71,44 +71,63 @@ _MAX_EXPONENT = 80.0  # largest exp() argument the factorised sub-chunk products
 _MAX_HEAD_DIM = 256  # the state kernels keep a whole [K, block_v] state tile in registers
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_SIZES = (16, 32, 64)
-_PRECISIONS = ("auto", "bf16", "ieee")
+_PRECISIONS = ("auto", "bf16", "tf32", "split", "ieee")
 
 
 @dataclass(frozen=True)
 class ChunkKDAConfig:
-    """Launch parameters of the chunked KDA kernels (defaults chosen for K = V = 128 on an H200, not yet tuned).
+    """Launch parameters of the chunked KDA kernels. Defaults for K = V = 128 on an H200: each kernel's
+    tiles and warps are the largest that compile without register spills (checked in Triton's resource
+    report), then picked by timing (docs/BENCHMARKS.md).
 
     Fields:
-        block_k: K tile of the chunk-parallel kernels (power of two >= 16).
-        block_v: V tile of the chunk-parallel kernels (power of two >= 16).
-        state_block_v: V tile of the two sequential state kernels; one program per (sequence, head,
-            V tile) keeps a ``[K, state_block_v]`` fp32 state in registers (power of two >= 16).
-        num_warps: warps per program of the chunk-parallel kernels.
-        state_num_warps: warps per program of the sequential state kernels.
+        block_k: K tile of the forward chunk-parallel kernels (power of two >= 16).
+        block_v: V tile of the forward chunk-parallel kernels (power of two >= 16).
+        num_warps: warps per program of the forward chunk-parallel kernels.
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
-        state_num_stages: pipelining depth of the sequential state kernels. Their loop over chunks loads
-            about 100 KB of tiles per iteration at K = V = 128, so Triton's default of 3 stages exceeds the
-            H200's 227 KB of shared memory; 1 keeps the backward state kernel launchable.
-        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32,
-            split-bf16 products (three bf16 tensor-core products, about 16 significant bits) when all
-            are 16-bit; ``"bf16"``: single bf16-operand products (fastest, about 8 significant bits; the
-            gate gradients then carry errors of a few percent); ``"ieee"``: exact fp32 products always.
+        state_block_v: V tile of the sequential state kernels; one program per (sequence, head, V tile)
+            keeps a ``[K, state_block_v]`` fp32 state in registers (power of two >= 16).
+        state_num_warps: warps per program of the forward state kernel when its operands are bf16
+            (inference: no backward follows).
+        state_num_warps_fp32: warps per program of the state kernels with fp32 operands (the training
+            forward, the backward's recomputation and the backward state kernel), whose tiles are twice
+            the size.
+        state_num_stages: pipelining depth of the forward state kernel (the backward state kernel loads
+            about 100 KB per chunk at K = V = 128 and always runs with 1: two copies exceed the H200's
+            227 KB of shared memory).
+        bwd_block_k: K tile of the backward's per-K-tile kernels (one program per chunk, head and tile).
+        bwd_block_v: V tile of the backward chunk-parallel kernels.
+        bwd_num_warps: warps per program of the backward chunk-parallel kernels.
+        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
+            when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
+            is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
+            products everywhere else (A, the inverse, the WY factors, the rest of the backward). ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core
+            products, about 16 significant bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is
+            the fastest; its gate gradients carry errors of a few percent, because ``dG`` sums pairwise
+            terms that cancel (each ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and
+            ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens. Those pairs are formed in the backward
+            intra-chunk kernel: with tf32 there, ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of
+            the varlen test), with split products 6e-4.
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
     block_k: int = 64
     block_v: int = 64
-    state_block_v: int = 32
     num_warps: int = 4
-    state_num_warps: int = 4
     num_stages: int = 2
-    state_num_stages: int = 1
+    state_block_v: int = 32
+    state_num_warps: int = 4
+    state_num_warps_fp32: int = 8
+    state_num_stages: int = 2
+    bwd_block_k: int = 32
+    bwd_block_v: int = 32
+    bwd_num_warps: int = 8
     precision: str = "auto"
     poison: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_v", "state_block_v"):
+        for name in ("block_k", "block_v", "state_block_v", "bwd_block_k", "bwd_block_v"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
@@ -116,7 +135,7 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
-        for name in ("num_warps", "state_num_warps"):
+        for name in ("num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_num_warps"):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
@@ -187,11 +206,21 @@ def _bf(x, EMU: tl.constexpr):
 
 
 @_helper
+def _round_tf32(x):
+    """fp32 -> nearest tf32 value (10 mantissa bits, ties away from zero as the hardware converts), in fp32."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x1000) & 0xFFFFE000
+    return b.to(tl.float32, bitcast=True)
+
+
+@_helper
 def _dot(a, b, P: tl.constexpr, EMU: tl.constexpr):
     """a @ b with an fp32 result. P = 0: bf16 operands (one tensor-core product); P = 1: split bf16
     (x = hi + lo with hi, lo in bf16; hi.hi + hi.lo + lo.hi, three products, about 16 significant bits);
-    P = 2: exact fp32 (``input_precision="ieee"``). Under the interpreter P = 1 is evaluated as the exact
-    product, from which the split product differs only by lo.lo (about 2^-16 relative)."""
+    P = 2: exact fp32 (``input_precision="ieee"``); P = 3: tf32 operands (one tensor-core product at half
+    the bf16 rate, 11 significant bits). Under the interpreter P = 1 is evaluated as the exact product,
+    from which the split product differs only by lo.lo (about 2^-16 relative), and P = 0 / 3 round their
+    operands as the hardware does."""
     if P == 2 or (P == 1 and EMU):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif P == 1:
@@ -202,6 +231,11 @@ def _dot(a, b, P: tl.constexpr, EMU: tl.constexpr):
         acc = tl.dot((a - ah.to(tl.float32)).to(tl.bfloat16), bh)
         acc = tl.dot(ah, (b - bh.to(tl.float32)).to(tl.bfloat16), acc)
         return tl.dot(ah, bh, acc)
+    elif P == 3:
+        if EMU:
+            return tl.dot(_round_tf32(a.to(tl.float32)), _round_tf32(b.to(tl.float32)), input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     else:
         if EMU:
             return tl.dot(_bf(a, EMU), _bf(b, EMU), input_precision="ieee")
@@ -244,47 +278,40 @@ def _load_beta(beta_raw, row, mask, BETA_SIGMOID: tl.constexpr):
 
 @_helper
 def _unit_lower_inverse16(A):
-    """(I + A)^-1 for a stack ``[NB, 16, 16]`` of strictly lower-triangular fp32 blocks, by forward substitution.
+    """(I + A)^-1 of a strictly lower-triangular fp32 ``[16, 16]`` block.
 
-    Row t of X solves X[t] = e_t - sum_{m<t} A[t, m] X[m]; rows are filled in order, all blocks at once.
-    """
+    A is nilpotent (A^16 = 0), so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)(I + A^8): six exact
+    fp32 products of 16 x 16 tiles instead of a 15-step forward substitution of row extractions."""
     o = tl.arange(0, 16)
-    rows = o[None, :, None]
-    X = (rows == o[None, None, :]).to(tl.float32) + tl.full(A.shape, 0.0, tl.float32)
-    for t in tl.static_range(1, 16):
-        a_t = _sum(tl.where(rows == t, A, 0.0), axis=1)  # row t of every block, indexed by m
-        acc = _sum(a_t[:, :, None] * X, axis=1)  # sum_m A[t, m] X[m, :]
-        X = tl.where(rows == t, X - acc[:, None, :], X)
-    return X
+    eye = (o[:, None] == o[None, :]).to(tl.float32)
+    X = eye - A
+    P2 = tl.dot(A, A, input_precision="ieee")
+    X = X + tl.dot(X, P2, input_precision="ieee")
+    P4 = tl.dot(P2, P2, input_precision="ieee")
+    X = X + tl.dot(X, P4, input_precision="ieee")
+    P8 = tl.dot(P4, P4, input_precision="ieee")
+    return X + tl.dot(X, P8, input_precision="ieee")
 
 
 # ================================================================================================ forward
 
 
 @triton.jit
-def _fwd_intra_kernel(
-    q, k, v, g_raw, beta_raw, A_log, dt_bias,
-    G, rq, rk, Aqk, Akk, w, u,
-    chunk_start, chunk_len,
-    scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+def _fwd_gate_kernel(
+    q, k, g_raw, A_log, dt_bias, G, gl, rq, rk,
+    chunk_start, chunk_len, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): gate + cumsum, row norms, A_qk, A_kk, T = (I + A_kk)^-1 (into Akk), w, u."""
+    """One (chunk, head): the gate and its cumulative sum ``G``, ``gl = G_last`` (one row per chunk) and the
+    inverse row norms of q and k."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
-    cc = tl.arange(0, BT)
-    o16 = tl.arange(0, 16)
     valid = r < nv
-    tok = t0 + r
-    row = tok * H + i_h  # token-major row index of (token, head)
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
     rate, _ = _gate_rate(A_log, i_h)
-
-    # ---- (1) gate, cumulative log decay, row norms
     sq = tl.full([BT], 0.0, tl.float32)
     sk = tl.full([BT], 0.0, tl.float32)
     for kk in tl.static_range(0, K, BK):
@@ -297,6 +324,7 @@ def _fwd_intra_kernel(
         _, sig = _gate_sigmoid(graw, dt, rate)
         g = tl.where(m2, lower_bound * sig, 0.0)
         tl.store(G + off, _cumsum(g, 0), mask=m2)
+        tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
         if L2NORM:
             bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
             bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
@@ -310,83 +338,122 @@ def _fwd_intra_kernel(
         ik = tl.full([BT], 1.0, dtype=tl.float32)
     tl.store(rq + row, iq, mask=valid)
     tl.store(rk + row, ik, mask=valid)
-    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
-    tl.debug_barrier()
 
-    # ---- (2) A_qk and A_kk, one 16-row strip at a time (reference row = first row of the strip)
-    for b in tl.static_range(BT // 16):
-        rb = b * 16 + o16
-        vb = rb < nv
-        tokb = t0 + rb
-        rowb = tokb * H + i_h
-        ikb = tl.load(rk + rowb, mask=vb, other=0.0)
-        iqb = tl.load(rq + rowb, mask=vb, other=0.0)
-        acc_q = tl.full([16, BT], 0.0, tl.float32)
-        acc_k = tl.full([16, BT], 0.0, tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            c = kk + tl.arange(0, BK)
-            cm = c < K
-            m2 = valid[:, None] & cm[None, :]
-            m2b = vb[:, None] & cm[None, :]
-            off = row[:, None] * K + c[None, :]
-            offb = rowb[:, None] * K + c[None, :]
-            Gr = tl.load(G + ((t0 + tl.minimum(b * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-            kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
-            Gf = tl.load(G + off, mask=m2, other=0.0)
-            colm = m2 & (r < b * 16 + 16)[:, None]
-            kc_ = kf * tl.exp(tl.where(colm, Gr[None, :] - Gf, float("-inf")))
-            Gb = tl.load(G + offb, mask=m2b, other=0.0)
-            er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
-            qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
-            kb = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * (ikb[:, None] * er)
-            kcT = tl.trans(kc_)
-            acc_q += _dot(qb, kcT, P, EMU)
-            acc_k += _dot(kb, kcT, P, EMU)
-        betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
-        offA = rowb[:, None] * BT + cc[None, :]
-        a_q = tl.where(vb[:, None] & (cc[None, :] <= rb[:, None]), acc_q * scale, 0.0)
-        a_k = tl.where(vb[:, None] & (cc[None, :] < rb[:, None]), acc_k * betab[:, None], 0.0)
-        tl.store(Aqk + offA, a_q, mask=vb[:, None])
-        tl.store(Akk + offA, a_k, mask=vb[:, None])
-    tl.debug_barrier()
 
-    # ---- (3) T = (I + A_kk)^-1 in place. Diagonal blocks D_b first (all at once), then the row strips
-    # T_b = D_b (E_b - A_b,<b T_<b) in order; E_b selects strip b's own columns.
-    ob = tl.arange(0, BT // 16)
-    rows3 = ob[:, None, None] * 16 + o16[None, :, None]
-    off3 = ((t0 + rows3) * H + i_h) * BT + ob[:, None, None] * 16 + o16[None, None, :]
-    D = _unit_lower_inverse16(tl.load(Akk + off3, mask=rows3 < nv, other=0.0))
-    tl.debug_barrier()  # the diagonal blocks of A are read; they are not needed any more
-    tl.store(Akk + off3, D, mask=rows3 < nv)
-    tl.debug_barrier()
-    offF = row[:, None] * BT + cc[None, :]
-    for b in tl.static_range(BT // 16):
-        rb = b * 16 + o16
-        vb = rb < nv
-        tokb = t0 + rb
-        rowb = tokb * H + i_h
-        offA = rowb[:, None] * BT + cc[None, :]
-        Db = tl.load(Akk + rowb[:, None] * BT + b * 16 + o16[None, :], mask=vb[:, None], other=0.0)
-        rhs = (cc[None, :] == rb[:, None]).to(tl.float32)
-        if b > 0:
-            Ao = tl.load(Akk + offA, mask=vb[:, None] & (cc[None, :] < b * 16), other=0.0)
-            Tp = tl.load(Akk + offF, mask=(valid & (r < b * 16))[:, None], other=0.0)
-            rhs = rhs - _dot(Ao, Tp, P, EMU)
-        strip = _dot(Db, rhs, P, EMU)
-        tl.debug_barrier()  # every thread has read strip b before it is overwritten
-        tl.store(Akk + offA, strip, mask=vb[:, None])
-        tl.debug_barrier()
+@triton.jit
+def _fwd_intra_kernel(
+    q, k, beta_raw, G, rq, rk, Aqk, Akk,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, 16-row strip b): rows of A_qk, and rows of A_kk with the strip's own diagonal block
+    replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the WY kernel assembles T from both).
 
-    # ---- (4) w = T (beta k exp(G)), u = T (beta v)
-    Tm = tl.load(Akk + offF, mask=valid[:, None], other=0.0)
+    The reference row of the strip is its first row (see the module notes), so the strip is one product of
+    row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    o16 = tl.arange(0, 16)
+    cols = (r < nv) & (r < b * 16 + 16)  # the columns strip b can see
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    rb = b * 16 + o16
+    vb = rb < nv
+    rowb = (t0 + rb) * H + i_h
+    ik = tl.load(rk + row, mask=cols, other=0.0)
+    ikb = tl.load(rk + rowb, mask=vb, other=0.0)
+    iqb = tl.load(rq + rowb, mask=vb, other=0.0)
+    ref = (t0 + tl.minimum(b * 16, nv - 1)) * H + i_h
+    acc_q = tl.full([16, BT], 0.0, tl.float32)
+    acc_k = tl.full([16, BT], 0.0, tl.float32)
     for kk in tl.static_range(0, K, BK):
         c = kk + tl.arange(0, BK)
-        m2 = valid[:, None] & (c < K)[None, :]
+        cm = c < K
+        m2 = cols[:, None] & cm[None, :]
+        m2b = vb[:, None] & cm[None, :]
+        Gr = tl.load(G + ref * K + c, mask=cm, other=0.0)
+        kf = tl.load(k + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+        Gf = tl.load(G + row[:, None] * K + c[None, :], mask=m2, other=0.0)
+        kcT = tl.trans(kf * tl.exp(tl.where(m2, Gr[None, :] - Gf, float("-inf"))))
+        offb = rowb[:, None] * K + c[None, :]
+        Gb = tl.load(G + offb, mask=m2b, other=0.0)
+        er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
+        kbf = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
+        qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
+        kb = kbf * er
+        acc_q += _dot(qb, kcT, P, EMU)
+        acc_k += _dot(kb, kcT, P, EMU)
+    betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
+    offA = rowb[:, None] * BT + r[None, :]
+    a_q = tl.where(vb[:, None] & (r[None, :] <= rb[:, None]), acc_q * scale, 0.0)
+    tl.store(Aqk + offA, _out(a_q, Aqk, EMU), mask=vb[:, None])
+    a_k = tl.where(vb[:, None] & (r[None, :] < b * 16), acc_k * betab[:, None], 0.0)
+    outside = (r < b * 16) | (r >= b * 16 + 16)
+    tl.store(Akk + offA, a_k, mask=vb[:, None] & outside[None, :])
+    # the diagonal block as a [16, 16] tile (Triton cannot slice): an exact selection product
+    pick = (r[:, None] == b * 16 + o16[None, :]).to(tl.float32)
+    acc_d = tl.dot(acc_k, pick, input_precision="ieee")
+    Ad = tl.where(vb[:, None] & (o16[None, :] < o16[:, None]), acc_d * betab[:, None], 0.0)
+    tl.store(Akk + rowb[:, None] * BT + b * 16 + o16[None, :], _unit_lower_inverse16(Ad), mask=vb[:, None])
+
+
+@triton.jit
+def _fwd_wy_kernel(
+    q, k, v, beta_raw, G, rq, rk, Akk, w, u, qg, kd, gl,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, STORE_T: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): T = (I + A_kk)^-1 (written over A_kk when the backward needs it), w, u and the
+    operands of the state and output kernels, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``.
+
+    T from the strip kernel's output X (diagonal blocks already inverted, D; strictly block-lower part L):
+    I + A = (I + A_diag)(I + D L), and M = D L is block-nilpotent (M^4 = 0 for four 16-row blocks), so
+    T = (I + M)^-1 D = (I - M)(I + M^2) D: four chunk-sized products, no sequential block sweep."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    valid = r < nv
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    iq = tl.load(rq + row, mask=valid, other=0.0)
+    ik = tl.load(rk + row, mask=valid, other=0.0)
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+
+    offT = row[:, None] * BT + r[None, :]
+    X = tl.load(Akk + offT, mask=valid[:, None] & valid[None, :], other=0.0)
+    if BT > 16:
+        blk = r // 16
+        D = tl.where(blk[:, None] == blk[None, :], X, 0.0)
+        M = _dot(D, tl.where(blk[:, None] > blk[None, :], X, 0.0), P, EMU)
+        Y = (r[:, None] == r[None, :]).to(tl.float32) + _dot(M, M, P, EMU)
+        Tm = _dot(Y - _dot(M, Y, P, EMU), D, P, EMU)
+    else:
+        Tm = X
+    if STORE_T:
+        tl.debug_barrier()  # every thread has read its part of X
+        tl.store(Akk + offT, Tm, mask=valid[:, None])
+
+    glrow = gl + (i_c.to(tl.int64) * H + i_h) * K
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
         off = row[:, None] * K + c[None, :]
         kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
         Gf = tl.load(G + off, mask=m2, other=0.0)
-        x = tl.where(m2, beta_f[:, None] * kf * tl.exp(Gf), 0.0)
-        tl.store(w + off, _out(_dot(Tm, x, P, EMU), w, EMU), mask=m2)
+        Gl = tl.load(glrow + c, mask=cm, other=0.0)
+        eg = tl.exp(tl.where(m2, Gf, float("-inf")))
+        tl.store(w + off, _out(_dot(Tm, beta_f[:, None] * kf * eg, P, EMU), w, EMU), mask=m2)
+        tl.store(kd + off, _out(kf * tl.exp(tl.where(m2, Gl[None, :] - Gf, float("-inf"))), kd, EMU), mask=m2)
+        qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (iq * scale)[:, None]
+        tl.store(qg + off, _out(qf * eg, qg, EMU), mask=m2)
     for vv in tl.static_range(0, V, BV):
         c = vv + tl.arange(0, BV)
         m2 = valid[:, None] & (c < V)[None, :]
@@ -397,14 +464,17 @@ def _fwd_intra_kernel(
 
 @triton.jit
 def _fwd_state_kernel(
-    k, G, rk, w, u, h0, h_out, v_new, ht,
+    kd, gl, w, u, h0, h_out, v_new, ht,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence x head, V tile): S -> exp(G_last) S + (k exp(G_last - G))^T (u - w S), chunk by chunk."""
+    """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk.
+
+    Every per-token factor (norms, decays) is already folded into ``w`` and ``kd`` by the intra-chunk
+    kernel, so the sequential loop reads three tiles and one row per chunk and does two products."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -425,12 +495,10 @@ def _fwd_state_kernel(
         S = tl.full([KP, BV], 0.0, tl.float32)
     for ci in range(0, (L + BT - 1) // BT):
         t0 = s0 + ci * BT
-        nv = tl.minimum(L - ci * BT, BT)
-        valid = r < nv
-        tok = t0 + r
-        row = tok * H + i_h  # token-major row index of (token, head)
+        valid = r < L - ci * BT
+        row = (t0 + r) * H + i_h  # token-major row index of (token, head)
         if SAVE_H:
-            tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, S, mask=hm)
+            tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, _out(S, h_out, EMU), mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
@@ -438,25 +506,22 @@ def _fwd_state_kernel(
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
         tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
-        ikt = tl.load(rk + row, mask=valid, other=0.0)
-        kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ikt[:, None]
-        Gt = tl.load(G + offk, mask=m2k, other=0.0)
-        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + kc, mask=km, other=0.0)
-        kd = kt * tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
-        S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kd), vn, P, EMU)
+        kdt = tl.load(kd + offk, mask=m2k, other=0.0)
+        Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
+        S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
     if STORE_FINAL:
         tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
 
 
 @triton.jit
 def _fwd_out_kernel(
-    q, G, rq, h, Aqk, v_new, o,
-    chunk_start, chunk_len, scale,
+    qg, h, Aqk, v_new, o,
+    chunk_start, chunk_len,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, V tile): O = scale (q exp(G)) S + A_qk v_new."""
+    """One (chunk, head, V tile): O = qg S + A_qk v_new (``qg`` carries the scale, the norm and exp(G))."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -465,23 +530,17 @@ def _fwd_out_kernel(
     r = tl.arange(0, BT)
     cc = tl.arange(0, BT)
     valid = r < nv
-    tok = t0 + r
-    row = tok * H + i_h  # token-major row index of (token, head)
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
     vc = i_v * BV + tl.arange(0, BV)
     vm = vc < V
-    iq = tl.load(rq + row, mask=valid, other=0.0)
     acc = tl.full([BT, BV], 0.0, tl.float32)
     hbase = (i_c.to(tl.int64) * H + i_h) * K * V
     for kk in tl.static_range(0, K, BK):
         c = kk + tl.arange(0, BK)
         cm = c < K
-        m2 = valid[:, None] & cm[None, :]
-        off = row[:, None] * K + c[None, :]
-        qg = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * iq[:, None]
-        qg = qg * tl.exp(tl.load(G + off, mask=m2, other=0.0))
+        qt = tl.load(qg + row[:, None] * K + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
         hs = tl.load(h + hbase + c[:, None] * V + vc[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-        acc += _dot(qg, hs, P, EMU)
-    acc = acc * scale
+        acc += _dot(qt, hs, P, EMU)
     Aq = tl.load(Aqk + row[:, None] * BT + cc[None, :], mask=valid[:, None], other=0.0)
     m2v = valid[:, None] & vm[None, :]
     offv = row[:, None] * V + vc[None, :]
@@ -527,16 +586,16 @@ def _bwd_dav_kernel(
 
 @triton.jit
 def _bwd_state_kernel(
-    q, k, G, rq, rk, w, do, dvl, dht, dh_out, dvn, dh0,
-    seq_start, seq_len, seq_chunk0, scale,
+    qg, kd, gl, w, do, dvl, dht, dh_out, dvn, dh0,
+    seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
-    dv_new = dv_intra + (k exp(G_last - G)) dS;  dS <- exp(G_last) dS + scale (q exp(G))^T dO - w^T dv_new.
-    """
+    dv_new = dv_intra + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
+    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -558,65 +617,46 @@ def _bwd_state_kernel(
     nch = (L + BT - 1) // BT
     for cj in range(0, nch):
         ci = nch - 1 - cj
-        t0 = s0 + ci * BT
-        nv = tl.minimum(L - ci * BT, BT)
-        valid = r < nv
-        tok = t0 + r
-        row = tok * H + i_h  # token-major row index of (token, head)
+        valid = r < L - ci * BT
+        row = (s0 + ci * BT + r) * H + i_h  # token-major row index of (token, head)
         tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
         offv = row[:, None] * V + vc[None, :]
-        Gt = tl.load(G + offk, mask=m2k, other=0.0)
-        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + kc, mask=km, other=0.0)
-        ikt = tl.load(rk + row, mask=valid, other=0.0)
-        kd = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ikt[:, None]
-        kd = kd * tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
-        dv_ = tl.load(dvl + offv, mask=m2v, other=0.0) + _dot(kd, dS, P, EMU)
+        kdt = tl.load(kd + offk, mask=m2k, other=0.0)
+        dv_ = tl.load(dvl + offv, mask=m2v, other=0.0) + _dot(kdt, dS, P, EMU)
         tl.store(dvn + offv, dv_, mask=m2v)
-        iqt = tl.load(rq + row, mask=valid, other=0.0)
-        qg = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * (iqt[:, None] * scale)
-        qg = qg * tl.exp(tl.where(m2k, Gt, float("-inf")))
+        qgt = tl.load(qg + offk, mask=m2k, other=0.0)
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         wt = tl.load(w + offk, mask=m2k, other=0.0)
-        dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qg), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
+        Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
+        dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
     if STORE_DH0:
         tl.store(dh0 + (n * H + i_h) * K * V + hoff, dS, mask=hm)
 
 
 @triton.jit
-def _bwd_wy_kernel(
-    q, k, v, beta_raw, G, rq, rk, Tkk, w, u, v_new, dvn, h, dh, do,
-    dv, dqh, dkh, dGh, dAk, dbeta_wy,
-    chunk_start, chunk_len, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _bwd_wy_v_kernel(
+    v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy,
+    chunk_start, chunk_len,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): gradients through the inter-chunk terms and the WY transform.
-
-    Writes dv (final), the inter-chunk parts of dq, dk, dG, dA_kk = -T^T (du u^T + dw w^T) and this
-    stage's share of dbeta.
-    """
+    """One (chunk, head): gradients through u = T (beta v): dv = beta T^T du, the v share of dbeta, and
+    du u^T, the first term of dA_kk = -T^T (du u^T + dw w^T) (slot 0 of ``dAk_part``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
-    cc = tl.arange(0, BT)
     valid = r < nv
-    tok = t0 + r
-    row = tok * H + i_h  # token-major row index of (token, head)
-    offT = row[:, None] * BT + cc[None, :]
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    offT = row[:, None] * BT + r[None, :]
     TmT = tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0))
     beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
-    iq = tl.load(rq + row, mask=valid, other=0.0)
-    ik = tl.load(rk + row, mask=valid, other=0.0)
-    acc = tl.full([BT, BT], 0.0, tl.float32)  # du u^T + dw w^T
+    acc = tl.full([BT, BT], 0.0, tl.float32)
     dbeta = tl.full([BT], 0.0, tl.float32)
-
-    # u = T (beta v): dv = beta T^T du, dbeta += v . T^T du
     for vv in tl.static_range(0, V, BV):
         c = vv + tl.arange(0, BV)
         m2 = valid[:, None] & (c < V)[None, :]
@@ -626,62 +666,108 @@ def _bwd_wy_kernel(
         tl.store(dv + off, _out(beta_f[:, None] * x, dv, EMU), mask=m2)
         dbeta += _sum(tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * x, 1)
         acc += _dot(du, tl.trans(tl.load(u + off, mask=m2, other=0.0)), P, EMU)
-
-    hbase = (i_c.to(tl.int64) * H + i_h) * K * V
-    for kk in tl.static_range(0, K, BK):
-        c = kk + tl.arange(0, BK)
-        cm = c < K
-        m2k = valid[:, None] & cm[None, :]
-        offk = row[:, None] * K + c[None, :]
-        dqi = tl.full([BT, BK], 0.0, tl.float32)  # dO S^T
-        dw = tl.full([BT, BK], 0.0, tl.float32)  # -dv_new S^T
-        dkt = tl.full([BT, BK], 0.0, tl.float32)  # v_new dS'^T
-        dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
-        for vv in tl.static_range(0, V, BV):
-            cv = vv + tl.arange(0, BV)
-            vm = cv < V
-            m2v = valid[:, None] & vm[None, :]
-            offv = row[:, None] * V + cv[None, :]
-            hoff = hbase + c[:, None] * V + cv[None, :]
-            hm = cm[:, None] & vm[None, :]
-            hs = tl.load(h + hoff, mask=hm, other=0.0)
-            dhs = tl.load(dh + hoff, mask=hm, other=0.0)
-            dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
-            dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
-            vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
-            hsT = tl.trans(hs)
-            dqi += _dot(dot_, hsT, P, EMU)
-            dw -= _dot(dvt, hsT, P, EMU)
-            dkt += _dot(vnt, tl.trans(dhs), P, EMU)
-            dgl += _sum(hs * dhs, 1)
-        qt = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * iq[:, None]
-        kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ik[:, None]
-        Gt = tl.load(G + offk, mask=m2k, other=0.0)
-        Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + c, mask=cm, other=0.0)
-        gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
-        dq_ = scale * gam * dqi
-        dG = qt * dq_
-        # S' = exp(G_last) S + (k exp(G_last - G))^T v_new
-        kdf = tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf")))
-        dk_ = kdf * dkt
-        tt = kt * dk_
-        dG -= tt
-        dglt = _sum(tt, 0) + tl.exp(Gl) * dgl
-        dG += tl.where((r == nv - 1)[:, None], dglt[None, :], 0.0)
-        # w = T (beta k exp(G))
-        x = _dot(TmT, dw, P, EMU)
-        dk_ += beta_f[:, None] * gam * x
-        kgx = kt * gam * x
-        dbeta += _sum(kgx, 1)
-        dG += beta_f[:, None] * kgx
-        acc += _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
-        tl.store(dqh + offk, dq_, mask=m2k)
-        tl.store(dkh + offk, dk_, mask=m2k)
-        tl.store(dGh + offk, dG, mask=m2k)
-    dA = -_dot(TmT, acc, P, EMU)
-    dA = tl.where(valid[:, None] & (cc[None, :] < r[:, None]), dA, 0.0)
-    tl.store(dAk + offT, dA, mask=valid[:, None])
+    tl.store(dAk_part + offT, acc, mask=valid[:, None])
     tl.store(dbeta_wy + row, dbeta, mask=valid)
+
+
+@triton.jit
+def _bwd_wy_k_kernel(
+    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
+    dqh, dkh, dGh, dAk_part, dbeta_part,
+    chunk_start, chunk_len, n_tok, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, K tile): gradients through the inter-chunk terms and w = T (beta k exp(G)).
+
+    Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``NKB + i_k`` of
+    ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). One program per K tile rather than a loop
+    over tiles: the loop kept every tile's accumulators live and spilled kilobytes of registers."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    valid = r < nv
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    c = i_k * BK + tl.arange(0, BK)
+    cm = c < K
+    m2k = valid[:, None] & cm[None, :]
+    offk = row[:, None] * K + c[None, :]
+    dqi = tl.full([BT, BK], 0.0, tl.float32)  # dO S^T
+    dw = tl.full([BT, BK], 0.0, tl.float32)  # -dv_new S^T
+    dkt = tl.full([BT, BK], 0.0, tl.float32)  # v_new dS'^T
+    dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
+    hbase = (i_c.to(tl.int64) * H + i_h) * K * V
+    for vv in tl.static_range(0, V, BV):
+        cv = vv + tl.arange(0, BV)
+        vm = cv < V
+        m2v = valid[:, None] & vm[None, :]
+        offv = row[:, None] * V + cv[None, :]
+        hoff = hbase + c[:, None] * V + cv[None, :]
+        hm = cm[:, None] & vm[None, :]
+        hs = tl.load(h + hoff, mask=hm, other=0.0)
+        dhs = tl.load(dh + hoff, mask=hm, other=0.0)
+        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
+        dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
+        vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
+        hsT = tl.trans(hs)
+        dqi += _dot(dot_, hsT, P, EMU)
+        dw -= _dot(dvt, hsT, P, EMU)
+        dkt += _dot(vnt, tl.trans(dhs), P, EMU)
+        dgl += _sum(hs * dhs, 1)
+    iq = tl.load(rq + row, mask=valid, other=0.0)
+    ik = tl.load(rk + row, mask=valid, other=0.0)
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    qt = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * iq[:, None]
+    kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ik[:, None]
+    Gt = tl.load(G + offk, mask=m2k, other=0.0)
+    Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + c, mask=cm, other=0.0)
+    gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
+    dq_ = scale * gam * dqi
+    dG = qt * dq_
+    # S' = exp(G_last) S + (k exp(G_last - G))^T v_new
+    dk_ = tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf"))) * dkt
+    tt = kt * dk_
+    dG -= tt
+    dglt = _sum(tt, 0) + tl.exp(Gl) * dgl
+    dG += tl.where((r == nv - 1)[:, None], dglt[None, :], 0.0)
+    # w = T (beta k exp(G))
+    offT = row[:, None] * BT + r[None, :]
+    x = _dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), dw, P, EMU)
+    dk_ += beta_f[:, None] * gam * x
+    kgx = kt * gam * x
+    dG += beta_f[:, None] * kgx
+    tl.store(dqh + offk, dq_, mask=m2k)
+    tl.store(dkh + offk, dk_, mask=m2k)
+    tl.store(dGh + offk, dG, mask=m2k)
+    tl.store(dbeta_part + (NKB + i_k) * n_tok * H + row, _sum(kgx, 1), mask=valid)
+    part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
+    tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + offT, part, mask=valid[:, None])
+
+
+@triton.jit
+def _bwd_dak_kernel(
+    Tkk, dAk_part, dAk, chunk_start, chunk_len, n_tok,
+    H: tl.constexpr, BT: tl.constexpr, NPART: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): dA_kk = -T^T (du u^T + sum over K tiles of dw w^T), strictly lower."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    valid = r < nv
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    offT = row[:, None] * BT + r[None, :]
+    acc = tl.full([BT, BT], 0.0, tl.float32)
+    for s in tl.static_range(NPART):
+        acc += tl.load(dAk_part + s * n_tok * H * BT + offT, mask=valid[:, None], other=0.0)
+    dA = -_dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), acc, P, EMU)
+    dA = tl.where(valid[:, None] & (r[None, :] < r[:, None]), dA, 0.0)
+    tl.store(dAk + offT, dA, mask=valid[:, None])
 
 
 @triton.jit
@@ -862,11 +948,15 @@ def _build_layout(bounds: list[tuple[int, int]], chunk_size: int, device: torch.
     return _Layout(c_start, c_len, s_start, s_len, s_first, n_chunks, n, n_tokens)
 
 
-def _precision_code(precision: str, tensors) -> int:
-    """The ``P`` code of ``_dot`` for ``ChunkKDAConfig.precision`` and the input dtypes."""
+def _precision_codes(precision: str, tensors) -> tuple[int, int, int, int]:
+    """``_dot``'s ``P`` codes (forward intra-chunk kernels, forward state and output kernels, backward,
+    backward intra-chunk kernel) for ``ChunkKDAConfig.precision`` and the input dtypes."""
     if precision == "ieee" or (precision == "auto" and any(t.dtype == torch.float32 for t in tensors)):
-        return 2
-    return 1 if precision == "auto" else 0
+        return 2, 2, 2, 2
+    if precision == "auto":
+        return 3, 0, 3, 1
+    code = {"bf16": 0, "tf32": 3, "split": 1}[precision]
+    return code, code, code, code
 
 
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
@@ -884,114 +974,151 @@ class _Meta:
     l2norm: bool
     beta_sigmoid: bool
     chunk_size: int
-    prec: int  # product precision code of _dot: 0 bf16, 1 split bf16, 2 exact fp32
+    prec_intra: int  # product precision code of _dot in the forward intra-chunk kernel (see _dot)
+    prec_fwd: int  # ... in the forward state and output kernels
+    prec: int  # ... in the backward (and its recomputation of the states)
+    prec_bwd_intra: int  # ... in the backward intra-chunk kernel (the gate gradients' cancelling sums)
+    lean: bool  # no backward will follow: forward intermediates in bf16, nothing saved
     emu: bool
     cfg: ChunkKDAConfig
 
 
-def _run_state_forward(k, G, rk, w, u, h0, layout, meta, *, save_h, v_new_dtype, want_final):
+def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final):
     """Stage 2 (also the backward's recomputation): states before every chunk, v_new, final state."""
-    _, H, K = k.shape
+    _, H, K = kd.shape
     V = u.shape[-1]
-    cfg, dev = meta.cfg, k.device
-    h = _alloc((layout.n_chunks, H, K, V), torch.float32, dev, cfg.poison) if save_h else G
+    cfg, dev = meta.cfg, kd.device
+    h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison)
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
-    ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else G
+    ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
     grid = (layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))
     _fwd_state_kernel[grid](
-        k, G, rk, w, u, h0 if h0 is not None else G, h, v_new, ht,
+        kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=cfg.state_block_v,
-        HAS_H0=h0 is not None, SAVE_H=save_h, STORE_FINAL=want_final,
-        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps, num_stages=cfg.state_num_stages,
+        HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
+        num_warps=cfg.state_num_warps if w.dtype != torch.float32 else cfg.state_num_warps_fp32,
+        num_stages=cfg.state_num_stages,
     )  # fmt: skip
-    return (h if save_h else None), v_new, (ht if want_final else None)
+    return h, v_new, (ht if want_final else None)
 
 
-def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final):
-    _, H, K = q.shape
-    V = v.shape[-1]
-    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
-    NT, N = layout.n_tokens, layout.n_chunks
-    f32 = torch.float32
-    G = _alloc((NT, H, K), f32, dev, cfg.poison)
-    rq = _alloc((NT, H), f32, dev, cfg.poison)
-    rk = _alloc((NT, H), f32, dev, cfg.poison)
-    Aqk = _alloc((NT, H, BT), f32, dev, cfg.poison)
-    Tkk = _alloc((NT, H, BT), f32, dev, cfg.poison)
-    w = _alloc((NT, H, K), f32, dev, cfg.poison)
-    u = _alloc((NT, H, V), f32, dev, cfg.poison)
-    common = dict(H=H, K=K, V=V, BT=BT, P=meta.prec, EMU=meta.emu)
-    _fwd_intra_kernel[(N, H)](
-        q, k, v, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, Aqk, Tkk, w, u,
-        layout.chunk_start, layout.chunk_len, meta.scale, meta.lower_bound,
-        BK=cfg.block_k, BV=cfg.block_v, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-    )  # fmt: skip
-    h, v_new, ht = _run_state_forward(
-        k, G, rk, w, u, h0, layout, meta, save_h=True, v_new_dtype=f32, want_final=want_final
-    )
-    o = _alloc((NT, H, V), v.dtype, dev, cfg.poison)
-    _fwd_out_kernel[(N, H, triton.cdiv(V, cfg.block_v))](
-        q, G, rq, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len, meta.scale,
-        BK=cfg.block_k, BV=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-    )  # fmt: skip
-    return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u)
+def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final, want_chunks):
+    """Returns ``(o, final state, chunk states, intermediates the backward needs)``.
 
-
-def _backward(do, dht, saved, layout, meta):
-    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u = saved
+    With ``meta.lean`` (no backward to follow) every intermediate that is only a product operand lives in
+    bf16: half the bytes, and the forward's products round their operands to bf16 or tf32 anyway. Otherwise
+    ``Aqk``, ``T``, ``w``, ``u`` and ``kd`` stay fp32 for the backward's split products."""
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
     NT, N = layout.n_tokens, layout.n_chunks
     f32, poison = torch.float32, cfg.poison
-    common = dict(H=H, K=K, V=V, BT=BT, P=meta.prec, EMU=meta.emu)
-    KP = max(16, triton.next_power_of_2(K))
+    inter = torch.bfloat16 if meta.lean and meta.prec_fwd != 2 else f32
+    G = _alloc((NT, H, K), f32, dev, poison)
+    gl = _alloc((N, H, K), f32, dev, poison)
+    rq = _alloc((NT, H), f32, dev, poison)
+    rk = _alloc((NT, H), f32, dev, poison)
+    Aqk = _alloc((NT, H, BT), inter, dev, poison)
+    Tkk = _alloc((NT, H, BT), f32, dev, poison)  # also the in-place scratch of the inverse
+    w = _alloc((NT, H, K), inter, dev, poison)
+    u = _alloc((NT, H, V), inter, dev, poison)
+    qg = _alloc((NT, H, K), inter, dev, poison)
+    kd = _alloc((NT, H, K), inter, dev, poison)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _fwd_gate_kernel[(N, H)](
+        q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
+        H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, **launch,
+    )  # fmt: skip
+    _fwd_intra_kernel[(N, H, BT // _SUB)](
+        q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
+        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu, **launch,
+    )  # fmt: skip
+    _fwd_wy_kernel[(N, H)](
+        q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
+        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
+        STORE_T=not meta.lean, P=meta.prec_intra, EMU=meta.emu, **launch,
+    )  # fmt: skip
+    h, v_new, ht = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=f32 if want_chunks else inter,
+        v_new_dtype=inter, want_final=want_final,
+    )  # fmt: skip
+    o = _alloc((NT, H, V), v.dtype, dev, poison)
+    _fwd_out_kernel[(N, H, triton.cdiv(V, cfg.block_v))](
+        qg, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len,
+        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, P=meta.prec_fwd, EMU=meta.emu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl)
 
-    h, v_new, _ = _run_state_forward(k, G, rk, w, u, h0, layout, meta, save_h=True, v_new_dtype=f32, want_final=False)
+
+def _backward(do, dht, saved, layout, meta):
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl = saved
+    _, H, K = q.shape
+    V = v.shape[-1]
+    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
+    NT, N = layout.n_tokens, layout.n_chunks
+    f32, poison = torch.float32, cfg.poison
+    KP = max(16, triton.next_power_of_2(K))
+    nkb = triton.cdiv(K, cfg.bwd_block_k)
+    chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
+
+    h, v_new, _ = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec, h_dtype=f32, v_new_dtype=f32, want_final=False
+    )
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
     dvl = _alloc((NT, H, V), f32, dev, poison)
     _bwd_dav_kernel[(N, H)](
         Aqk, v_new, do, dAq, dvl, layout.chunk_start, layout.chunk_len,
-        H=H, V=V, BT=BT, BV=cfg.block_v, P=meta.prec, EMU=meta.emu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
 
     dh = _alloc((N, H, K, V), f32, dev, poison)
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))](
-        q, k, G, rq, rk, w, do, dvl, dht if dht is not None else G, dh, dvn, dh0 if dh0 is not None else G,
-        layout.seq_start, layout.seq_len, layout.seq_chunk0, meta.scale,
-        KP=KP, BV=cfg.state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        num_warps=cfg.state_num_warps, num_stages=cfg.state_num_stages, **common,
+        qg, kd, gl, w, do, dvl, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
+        layout.seq_start, layout.seq_len, layout.seq_chunk0,
+        H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps_fp32, num_stages=1,
     )  # fmt: skip
+    del qg, kd, gl, dvl
 
     dv = _alloc((NT, H, V), v.dtype, dev, poison)
+    dAk_part = _alloc((1 + nkb, NT, H, BT), f32, dev, poison)  # du u^T, then dw w^T of every K tile
+    dbeta_wy = _alloc((NT, H), f32, dev, poison)
+    dbeta_part = _alloc((2 * nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
+    _bwd_wy_v_kernel[(N, H)](
+        v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy, layout.chunk_start, layout.chunk_len,
+        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu, **chunked,
+    )  # fmt: skip
     dqh = _alloc((NT, H, K), f32, dev, poison)
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
-    dAk = _alloc((NT, H, BT), f32, dev, poison)
-    dbeta_wy = _alloc((NT, H), f32, dev, poison)
-    _bwd_wy_kernel[(N, H)](
-        q, k, v, beta_raw, G, rq, rk, Tkk, w, u, v_new, dvn, h, dh, do,
-        dv, dqh, dkh, dGh, dAk, dbeta_wy, layout.chunk_start, layout.chunk_len, meta.scale,
-        BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    _bwd_wy_k_kernel[(N, H, nkb)](
+        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
+        dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
+        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, NKB=nkb, BETA_SIGMOID=meta.beta_sigmoid,
+        P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
     del h, dh, dvn, v_new
+    dAk = _alloc((NT, H, BT), f32, dev, poison)
+    _bwd_dak_kernel[(N, H)](
+        Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,
+        H=H, BT=BT, NPART=1 + nkb, P=meta.prec, EMU=meta.emu, **chunked,
+    )  # fmt: skip
+    del dAk_part
 
-    nkb = triton.cdiv(K, cfg.block_k)
     dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
-    dbeta_part = _alloc((nkb, NT, H), f32, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
     _bwd_intra_kernel[(N, H, nkb)](
         q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
         dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        H=H, K=K, BT=BT, BK=cfg.bwd_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
+        EMU=meta.emu, **chunked,
     )  # fmt: skip
 
     dq = _alloc((NT, H, K), q.dtype, dev, poison)
@@ -1000,8 +1127,8 @@ def _backward(do, dht, saved, layout, meta):
     BR = 64
     _bwd_finish_kernel[(triton.cdiv(NT, BR), H)](
         q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta, NT,
-        H=H, K=K, KP=KP, BR=BR, NKB=nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        H=H, K=K, KP=KP, BR=BR, NKB=2 * nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        **chunked,
     )  # fmt: skip
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)
@@ -1021,9 +1148,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta,
                 output_final_state, return_chunk_states):  # fmt: skip
         o, ht, h, inter = _forward(
-            q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta, output_final_state
+            q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta, output_final_state,
+            return_chunk_states,
         )
-        ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *inter)
+        if not meta.lean:
+            ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *inter)
         ctx.layout, ctx.meta = layout, meta
         chunk_states = h if return_chunk_states else None
         if chunk_states is not None:
@@ -1151,9 +1280,11 @@ def chunk_kda(
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
 
+    differentiable = (q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state)
+    lean = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable))
     meta = _Meta(
         scale, float(lower_bound), bool(use_qk_l2norm), bool(use_beta_sigmoid), chunk_size,
-        _precision_code(cfg.precision, (q, k, v)), emu, cfg,
+        *_precision_codes(cfg.precision, (q, k, v)), lean, emu, cfg,
     )  # fmt: skip
     layout = _build_layout(bounds, chunk_size, q.device)
     n_chunks_per_row = -(-T // chunk_size)

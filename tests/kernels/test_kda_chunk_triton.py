@@ -113,6 +113,26 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_states", [False, True])
+def test_inference_forward_without_grad(dtype, chunk_states):
+    # Under no_grad the forward keeps its intermediates in bf16 (16-bit inputs) and saves nothing; the
+    # packed varlen batch with state in and out must still match the reference.
+    gen = fresh_generator()
+    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
+    inputs = _inputs(gen, 1, 130, 3, dtype, saturate=True)
+    with torch.no_grad():
+        out = chunk_kda(
+            *inputs[:7], initial_state=inputs[7], output_final_state=True, cu_seqlens=cu,
+            return_chunk_states=chunk_states, lower_bound=LOWER_BOUND, config=POISON,
+        )  # fmt: skip
+    assert not out[0].requires_grad
+    ref = _reference([x.double() for x in inputs], output_final_state=True, cu_seqlens=cu,
+                     return_chunk_states=chunk_states)  # fmt: skip
+    names = ("o", "final_state", "chunk_states")[: len(out)]
+    _assert_all({name: (a, r) for name, a, r in zip(names, out, ref, strict=True)}, dtype)
+
+
 def test_flags_off_smaller_chunks_custom_scale_and_no_state():
     # Pre-normalised q/k and pre-activated beta passed through untouched; 32-token chunks; no state given
     # or returned. An empty sequence in the middle must not disturb its neighbours.
@@ -217,7 +237,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("state_num_stages", 0, r"ChunkKDAConfig.state_num_stages must be an int from 1 to 4, got 0"),
-        ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'ieee'\), got 'fp8'"),
+        ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
 )
 def test_config_fields_are_validated(field, value, message):
