@@ -8,16 +8,25 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) one chunk-parallel kernel computes the gate, its cumulative sum, the
-  row norms, ``A_qk``, ``A_kk``, the inverse ``T`` and ``w``, ``u``; (2) one program per
-  (sequence, head, V tile) carries the fp32 state in registers across the chunks of its sequence and writes
-  the state before every chunk plus ``v_new``; (3) a chunk-parallel output kernel. Backward recomputes the
-  states (stage 2 again) instead of keeping them, then: ``dA_qk`` and the intra-chunk part of ``dv_new``;
-  the reverse state recurrence (``dS`` per chunk, full ``dv_new``, ``d initial_state``); the inter-chunk and
-  WY-transform gradients (``dq``, ``dk``, ``dG``, ``dv``, ``dbeta``, ``dA_kk``); the intra-chunk
-  gradients through ``A_qk`` / ``A_kk`` fused with the reverse cumulative sum of ``dG`` and the gate's
-  backward; and a last row-wise kernel for the L2-norm and sigmoid backward. No Python loop runs over
-  chunks: chunk and sequence index tables are built on the host once per call (vectorised).
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G``, the
+  last row ``G_last`` of every chunk and the inverse row norms of q and k; (2) one program per (chunk,
+  head, 16-row strip): rows of ``A_qk`` and ``A_kk``, with the strip's diagonal block of ``A_kk`` already
+  inverted; (3) a chunk-parallel WY kernel: ``T``, ``w``, ``u`` and the operands of the next two stages,
+  ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (4) one program per (sequence, head, V tile)
+  carries the fp32 state in registers across the chunks of its sequence and writes the state before
+  every chunk plus ``v_new``; (5) a chunk-parallel output kernel. Backward recomputes the states (stage 4
+  again) instead of keeping them, then: ``dA_qk`` and the intra-chunk part of ``dv_new``; the reverse state
+  recurrence (``dS`` per chunk, full ``dv_new``, ``d initial_state``); the WY-transform gradients in two
+  kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
+  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients
+  through ``A_qk`` / ``A_kk`` fused with the reverse cumulative sum of ``dG`` and the gate's backward; and
+  a last row-wise kernel for the L2-norm and sigmoid backward. No Python loop runs over chunks: chunk and
+  sequence index tables are built on the host once per call (vectorised).
+* Registers decide the speed. A kernel that keeps a whole chunk's ``[64, 128]`` fp32 tiles of several
+  operands live spills to local memory, and an H200 then runs it several times slower; the stages are cut
+  where Triton's resource report showed spills (the fused intra-chunk kernel, the K-tile loop of the WY
+  backward), and the state kernels read operands (``qg``, ``kd``, ``w``) with every per-token factor
+  already folded in, so their sequential loop holds nothing but the state and one chunk's tiles.
 * Varlen. Every sequence (``cu_seqlens``) or batch row is cut into its own chunks, so no chunk straddles
   two sequences; a dense batch is treated as ``B`` sequences of a packed ``[1, B*T]`` row.
 * The lower bound and tensor cores. Within a 16-token sub-chunk ``|G_i - G_j| <= 15 |lower_bound|``, so
@@ -26,22 +35,25 @@ Design decisions
   its first row: every column ``j`` before it gets a factor ``<= 1`` and the columns inside it a factor
   ``<= exp(15 |lower_bound|)``. That turns each 16-row strip of ``A_qk`` / ``A_kk`` (and of their
   gradients) into one ``tl.dot``. ``lower_bound`` is therefore limited to ``15 |lower_bound| <= 80``.
-* Inverse. Diagonal 16x16 blocks of ``(I + A_kk)^-1`` by forward substitution in registers; the
-  off-diagonal blocks row strip by row strip, ``T_b = D_b (E_b - A_b,<b T_<b)``, with two block products.
-* Precision. Accumulation is fp32 everywhere and every intermediate that crosses kernels is stored in fp32.
-  With 16-bit inputs the products are split-bf16 by default: each fp32 operand is written as ``hi + lo``
-  (both bf16) and ``a b ~ hi.hi + hi.lo + lo.hi`` costs three bf16 tensor-core products for about 16
-  significant bits. Single bf16 products (``ChunkKDAConfig.precision="bf16"``, 8 bits) are not enough
-  for the gate gradients: ``dG`` sums pairwise terms whose contributions cancel exactly (each ``A[i, j]``
-  adds to ``dG_i`` what it takes from ``dG_j``), and ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens,
-  so 8-bit products leave several percent of error there. By count the chunked algorithm is memory-bound
-  (some tens of FLOPs per byte moved, against an H200 ridge near 200 bf16 FLOPs per byte), so the extra
-  products should cost little outside the two sequential state kernels.
-  With an fp32 input every product is exact fp32 (``input_precision="ieee"``).
+* Inverse. Each strip program inverts its 16x16 diagonal block as ``(I - A)(I + A^2)(I + A^4)(I + A^8)``
+  (A is nilpotent) in exact fp32. The WY kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
+  the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
+  block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
+* Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
+  (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state and
+  output kernels (their result is a bf16 output), tf32 in the forward intra-chunk and WY kernels and in
+  most of the backward, and split bf16 (``hi + lo``, three bf16 tensor-core products, about 16 significant
+  bits) in the backward intra-chunk kernel, where ``dG`` gathers pairwise terms that cancel exactly (each
+  ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
+  all tokens. Intermediates that cross kernels are fp32 when a backward will follow; without autograd
+  (inference, prefill) the product operands among them (``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
+  ``v_new``, the states) are bf16, half the bytes, since the products round them to bf16 or tf32 anyway.
+  With an fp32 input every product is exact fp32 (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
-  bf16 outputs themselves (round to nearest even, kept in fp32 containers) and evaluate split products as
-  exact fp32 products (they differ by ``lo.lo``, about 2^-16 relative): the numbers the GPU path gives.
+  bf16 outputs themselves (round to nearest even, kept in fp32 containers), round tf32 operands as the
+  hardware converts them, and evaluate split products as exact fp32 products (they differ by ``lo.lo``,
+  about 2^-16 relative): the numbers the GPU path gives.
   The mode is read from how Triton built the kernels, not guessed.
 * ``ChunkKDAConfig.poison`` fills every buffer the kernels write with NaN before the launch, so an element
   a kernel forgot to write shows up as NaN (used by the tests).
