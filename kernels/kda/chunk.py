@@ -98,17 +98,19 @@ class ChunkKDAConfig:
         num_warps: warps per program of the forward chunk-parallel kernels.
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
-        state_block_v: V tile of the sequential state kernels; one program per (sequence, head, V tile)
-            keeps a ``[K, state_block_v]`` fp32 state in registers (power of two >= 16).
-        state_num_warps: warps per program of the forward state kernel when its operands are bf16
-            (inference: no backward follows).
-        state_num_warps_fp32: warps per program of the state kernels with fp32 operands (the training
-            forward, the backward's recomputation and the backward state kernel), whose tiles are twice
-            the size.
-        state_num_stages: pipelining depth of the forward state kernel (the backward state kernel loads
-            about 100 KB per chunk at K = V = 128 and always runs with 1: two copies exceed the H200's
-            227 KB of shared memory).
-        bwd_block_k: K tile of the backward's per-K-tile kernels (one program per chunk, head and tile).
+        state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
+            backward follows); one program per (sequence, head, V tile) keeps a ``[K, state_block_v]``
+            fp32 state in registers (power of two >= 16).
+        state_num_warps: warps per program of that kernel.
+        state_num_stages: pipelining depth of that kernel's loop over chunks.
+        state_block_v_fp32: V tile of the state kernels with fp32 operands (the training forward, the
+            backward's recomputation and the backward state kernel). Every V tile re-reads the chunk's
+            ``[BT, K]`` operand tiles, which are twice the size in fp32, so the tile is wider.
+        state_num_warps_fp32: warps per program of those kernels. They run with one pipelining stage:
+            the backward state kernel loads about 100 KB per chunk at K = V = 128, and two copies exceed
+            the H200's 227 KB of shared memory.
+        bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile); the
+            backward intra-chunk kernel uses ``block_k``.
         bwd_block_v: V tile of the backward chunk-parallel kernels.
         bwd_num_warps: warps per program of the backward chunk-parallel kernels.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
@@ -130,8 +132,9 @@ class ChunkKDAConfig:
     num_stages: int = 2
     state_block_v: int = 32
     state_num_warps: int = 4
-    state_num_warps_fp32: int = 8
     state_num_stages: int = 2
+    state_block_v_fp32: int = 64
+    state_num_warps_fp32: int = 8
     bwd_block_k: int = 32
     bwd_block_v: int = 32
     bwd_num_warps: int = 8
@@ -139,7 +142,7 @@ class ChunkKDAConfig:
     poison: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_v", "state_block_v", "bwd_block_k", "bwd_block_v"):
+        for name in ("block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_block_k", "bwd_block_v"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
@@ -688,12 +691,12 @@ def _bwd_wy_k_kernel(
     dqh, dkh, dGh, dAk_part, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKB: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT0: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, K tile): gradients through the inter-chunk terms and w = T (beta k exp(G)).
 
-    Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``NKB + i_k`` of
+    Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``SLOT0 + i_k`` of
     ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). One program per K tile rather than a loop
     over tiles: the loop kept every tile's accumulators live and spilled kilobytes of registers."""
     i_c = tl.program_id(0)
@@ -755,7 +758,7 @@ def _bwd_wy_k_kernel(
     tl.store(dqh + offk, dq_, mask=m2k)
     tl.store(dkh + offk, dk_, mask=m2k)
     tl.store(dGh + offk, dG, mask=m2k)
-    tl.store(dbeta_part + (NKB + i_k) * n_tok * H + row, _sum(kgx, 1), mask=valid)
+    tl.store(dbeta_part + (SLOT0 + i_k) * n_tok * H + row, _sum(kgx, 1), mask=valid)
     part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
     tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + offT, part, mask=valid[:, None])
 
@@ -1003,14 +1006,15 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison)
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
-    grid = (layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))
-    _fwd_state_kernel[grid](
+    fp32 = w.dtype == torch.float32
+    BV = cfg.state_block_v_fp32 if fp32 else cfg.state_block_v
+    _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
-        H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=cfg.state_block_v,
+        H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
-        num_warps=cfg.state_num_warps if w.dtype != torch.float32 else cfg.state_num_warps_fp32,
-        num_stages=cfg.state_num_stages,
+        num_warps=cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps,
+        num_stages=1 if fp32 else cfg.state_num_stages,
     )  # fmt: skip
     return h, v_new, (ht if want_final else None)
 
@@ -1072,7 +1076,8 @@ def _backward(do, dht, saved, layout, meta):
     NT, N = layout.n_tokens, layout.n_chunks
     f32, poison = torch.float32, cfg.poison
     KP = max(16, triton.next_power_of_2(K))
-    nkb = triton.cdiv(K, cfg.bwd_block_k)
+    nkb = triton.cdiv(K, cfg.bwd_block_k)  # K tiles of the WY kernel
+    nki = triton.cdiv(K, cfg.block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
@@ -1089,10 +1094,10 @@ def _backward(do, dht, saved, layout, meta):
     dh = _alloc((N, H, K, V), f32, dev, poison)
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
-    _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v))](
+    _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v_fp32))](
         qg, kd, gl, w, do, dvl, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
-        H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.state_block_v_fp32, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps_fp32, num_stages=1,
     )  # fmt: skip
     del qg, kd, gl, dvl
@@ -1100,7 +1105,7 @@ def _backward(do, dht, saved, layout, meta):
     dv = _alloc((NT, H, V), v.dtype, dev, poison)
     dAk_part = _alloc((1 + nkb, NT, H, BT), f32, dev, poison)  # du u^T, then dw w^T of every K tile
     dbeta_wy = _alloc((NT, H), f32, dev, poison)
-    dbeta_part = _alloc((2 * nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
+    dbeta_part = _alloc((nki + nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
     _bwd_wy_v_kernel[(N, H)](
         v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy, layout.chunk_start, layout.chunk_len,
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu, **chunked,
@@ -1111,7 +1116,7 @@ def _backward(do, dht, saved, layout, meta):
     _bwd_wy_k_kernel[(N, H, nkb)](
         q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
         dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, NKB=nkb, BETA_SIGMOID=meta.beta_sigmoid,
+        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
     del h, dh, dvn, v_new
@@ -1125,11 +1130,11 @@ def _backward(do, dht, saved, layout, meta):
     dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    _bwd_intra_kernel[(N, H, nkb)](
+    _bwd_intra_kernel[(N, H, nki)](
         q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
         dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.bwd_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
+        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
         EMU=meta.emu, **chunked,
     )  # fmt: skip
 
@@ -1139,7 +1144,7 @@ def _backward(do, dht, saved, layout, meta):
     BR = 64
     _bwd_finish_kernel[(triton.cdiv(NT, BR), H)](
         q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta, NT,
-        H=H, K=K, KP=KP, BR=BR, NKB=2 * nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        H=H, K=K, KP=KP, BR=BR, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
         **chunked,
     )  # fmt: skip
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)

@@ -113,6 +113,31 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        dict(block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, state_block_v=16, state_block_v_fp32=16),
+        dict(block_k=32, bwd_block_k=16),  # the two backward K tilings differ
+    ],
+)
+def test_tiles_smaller_than_the_head_dims(tiles):
+    # Several K and V tiles per kernel: partial sums over tiles (dbeta, dA_kk, the K loops) must add up.
+    gen = fresh_generator()
+    inputs = _inputs(gen, 1, 70, 1, torch.bfloat16)
+    ours_in, ref_in = _leaves(inputs), _leaves(inputs, torch.float64)
+    o, ht = chunk_kda(
+        *ours_in[:7], initial_state=ours_in[7], output_final_state=True, lower_bound=LOWER_BOUND,
+        config=ChunkKDAConfig(poison=True, **tiles),
+    )  # fmt: skip
+    ro, rht = _reference(ref_in, output_final_state=True)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    ((o.double() * do).sum() + ht.double().sum()).backward()
+    ((ro * do).sum() + rht.sum()).backward()
+    pairs = {"o": (o, ro), "final_state": (ht, rht)}
+    pairs.update({"d" + n: (a.grad, r.grad) for n, a, r in zip(GRAD_NAMES, ours_in, ref_in, strict=True)})
+    _assert_all(pairs, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_states", [False, True])
 def test_inference_forward_without_grad(dtype, chunk_states):
