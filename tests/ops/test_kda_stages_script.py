@@ -1,0 +1,52 @@
+"""``ops/bench/kda_stages.py`` off the GPU: its config parser and its refusal to measure without CUDA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops" / "bench"))
+
+import kda_stages  # noqa: E402
+
+
+def test_config_text_becomes_a_chunk_config():
+    cfg = kda_stages.parse_config("num_warps=8, block_k=32,precision=bf16,poison=true")
+    assert (cfg.num_warps, cfg.block_k, cfg.precision, cfg.poison) == (8, 32, "bf16", True)
+    assert kda_stages.parse_config("").num_warps == 4  # the defaults
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("warps=8", r"bad config item 'warps=8': expected name=value with name one of"),
+        ("num_warps", r"bad config item 'num_warps'"),
+        ("block_k=big", r"config field block_k needs an integer, got 'big'"),
+        ("block_k=24", r"ChunkKDAConfig.block_k must be a power of two >= 16, got 24"),
+    ],
+)
+def test_bad_config_text_is_refused_with_the_field_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        kda_stages.parse_config(text)
+
+
+def test_without_cuda_it_says_so_and_exits_2():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kda_stages.py"), "--config", "num_warps=8"],
+        capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "needs a CUDA GPU" in proc.stderr
+
+
+def test_bad_config_on_the_command_line_is_a_usage_error():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kda_stages.py"), "--config", "num_warps=3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "ChunkKDAConfig.num_warps must be one of" in proc.stderr
