@@ -88,9 +88,8 @@ _PRECISIONS = ("auto", "bf16", "tf32", "split", "ieee")
 
 @dataclass(frozen=True)
 class ChunkKDAConfig:
-    """Launch parameters of the chunked KDA kernels. Defaults for K = V = 128 on an H200: each kernel's
-    tiles and warps are the largest that compile without register spills (checked in Triton's resource
-    report), then picked by timing (docs/BENCHMARKS.md).
+    """Launch parameters of the chunked KDA kernels. Defaults for K = V = 128 on an H200, picked from
+    Triton's resource report (register spills) and per-kernel timings (docs/BENCHMARKS.md).
 
     Fields:
         block_k: K tile of the forward chunk-parallel kernels (power of two >= 16).
@@ -116,9 +115,9 @@ class ChunkKDAConfig:
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
             when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
-            products everywhere else (A, the inverse, the WY factors, the rest of the backward). ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core
-            products, about 16 significant bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is
-            the fastest; its gate gradients carry errors of a few percent, because ``dG`` sums pairwise
+            products everywhere else (A, the inverse, the WY factors, the rest of the backward).
+            ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products, about 16 significant
+            bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its gate gradients carry errors of a few percent, because ``dG`` sums pairwise
             terms that cancel (each ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and
             ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens. Those pairs are formed in the backward
             intra-chunk kernel: with tf32 there, ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of
