@@ -267,6 +267,19 @@ def _out(x, ptr, EMU: tl.constexpr):
 
 
 @_helper
+def _chunk_program(S: tl.constexpr, H: tl.constexpr):
+    """``(chunk, head, part)`` of a program on the 1-D grid of ``chunks * H * S`` programs (see ``_chunk_grid``).
+
+    The ``S`` parts of one (chunk, head) are launched side by side, then the heads of one chunk: programs
+    that read the same tiles run at the same time and share them through L2, and neighbouring programs read
+    neighbouring rows of the token-major tensors."""
+    pid = tl.program_id(0)
+    part = pid % S
+    rest = pid // S
+    return rest // H, rest % H, part
+
+
+@_helper
 def _gate_rate(A_log, i_h):
     """(exp(A_log[h]) clamped to fp32 max, 1.0 if unclamped else 0.0 -- the derivative mask of the clamp)."""
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -318,8 +331,7 @@ def _fwd_gate_kernel(
 ):  # fmt: skip
     """One (chunk, head): the gate and its cumulative sum ``G``, ``gl = G_last`` (one row per chunk) and the
     inverse row norms of q and k."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -366,9 +378,7 @@ def _fwd_intra_kernel(
 
     The reference row of the strip is its first row (see the module notes), so the strip is one product of
     row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    b = tl.program_id(2)
+    i_c, i_h, b = _chunk_program(BT // 16, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -429,8 +439,7 @@ def _fwd_wy_kernel(
     T from the strip kernel's output X (diagonal blocks already inverted, D; strictly block-lower part L):
     I + A = (I + A_diag)(I + D L), and M = D L is block-nilpotent (M^4 = 0 for four 16-row blocks), so
     T = (I + M)^-1 D = (I - M)(I + M^2) D: four chunk-sized products, no sequential block sweep."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -532,13 +541,11 @@ def _fwd_out_kernel(
     qg, h, Aqk, v_new, o,
     chunk_start, chunk_len,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, V tile): O = qg S + A_qk v_new (``qg`` carries the scale, the norm and exp(G))."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    """One (chunk, head, V tile of ``NV``): O = qg S + A_qk v_new (``qg`` carries the scale, the norm and exp(G))."""
+    i_c, i_h, i_v = _chunk_program(NV, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -574,8 +581,7 @@ def _bwd_dav_kernel(
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head): dA_qk = dO v_new^T (masked j <= i), intra-chunk dv_new = A_qk^T dO."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -659,8 +665,7 @@ def _bwd_wy_v_kernel(
 ):  # fmt: skip
     """One (chunk, head): gradients through u = T (beta v): dv = beta T^T du, the v share of dbeta, and
     du u^T, the first term of dA_kk = -T^T (du u^T + dw w^T) (slot 0 of ``dAk_part``)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -690,7 +695,7 @@ def _bwd_wy_k_kernel(
     dqh, dkh, dGh, dAk_part, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT0: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, SLOT0: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, K tile): gradients through the inter-chunk terms and w = T (beta k exp(G)).
@@ -698,9 +703,7 @@ def _bwd_wy_k_kernel(
     Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``SLOT0 + i_k`` of
     ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). One program per K tile rather than a loop
     over tiles: the loop kept every tile's accumulators live and spilled kilobytes of registers."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
+    i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -768,8 +771,7 @@ def _bwd_dak_kernel(
     H: tl.constexpr, BT: tl.constexpr, NPART: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head): dA_kk = -T^T (du u^T + sum over K tiles of dw w^T), strictly lower."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -789,19 +791,17 @@ def _bwd_intra_kernel(
     q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
     dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
     chunk_start, chunk_len, n_tok, scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, K tile): gradients through A_qk and A_kk, added to the inter-chunk parts.
+    """One (chunk, head, K tile of ``NK``): gradients through A_qk and A_kk, added to the inter-chunk parts.
 
     Then the reverse cumulative sum of dG inside the chunk (-> dg) and the gate backward (-> dg_raw and
     per-chunk partial sums for dt_bias and A_log). dq/dk totals overwrite dqh/dkh in place.
     Row side of A[i, j] (reference = first row of i's sub-chunk), column side (reference = last row of
     j's sub-chunk): both keep every exp() argument below 15 |lower_bound|.
     """
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
+    i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -1041,15 +1041,15 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     qg = _alloc((NT, H, K), inter, dev, poison)
     kd = _alloc((NT, H, K), inter, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fwd_gate_kernel[(N, H)](
+    _fwd_gate_kernel[(N * H,)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
-    _fwd_intra_kernel[(N, H, BT // _SUB)](
+    _fwd_intra_kernel[(N * H * (BT // _SUB),)](
         q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
         H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu, **launch,
     )  # fmt: skip
-    _fwd_wy_kernel[(N, H)](
+    _fwd_wy_kernel[(N * H,)](
         q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
         H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
         STORE_T=not meta.lean, P=meta.prec_intra, EMU=meta.emu, **launch,
@@ -1059,9 +1059,10 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
         v_new_dtype=inter, want_final=want_final,
     )  # fmt: skip
     o = _alloc((NT, H, V), v.dtype, dev, poison)
-    _fwd_out_kernel[(N, H, triton.cdiv(V, cfg.block_v))](
+    nv = triton.cdiv(V, cfg.block_v)
+    _fwd_out_kernel[(N * H * nv,)](
         qg, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len,
-        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, P=meta.prec_fwd, EMU=meta.emu,
+        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, NV=nv, P=meta.prec_fwd, EMU=meta.emu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl)
@@ -1085,7 +1086,7 @@ def _backward(do, dht, saved, layout, meta):
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
     dvl = _alloc((NT, H, V), f32, dev, poison)
-    _bwd_dav_kernel[(N, H)](
+    _bwd_dav_kernel[(N * H,)](
         Aqk, v_new, do, dAq, dvl, layout.chunk_start, layout.chunk_len,
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
@@ -1105,22 +1106,22 @@ def _backward(do, dht, saved, layout, meta):
     dAk_part = _alloc((1 + nkb, NT, H, BT), f32, dev, poison)  # du u^T, then dw w^T of every K tile
     dbeta_wy = _alloc((NT, H), f32, dev, poison)
     dbeta_part = _alloc((nki + nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
-    _bwd_wy_v_kernel[(N, H)](
+    _bwd_wy_v_kernel[(N * H,)](
         v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy, layout.chunk_start, layout.chunk_len,
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
     dqh = _alloc((NT, H, K), f32, dev, poison)
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
-    _bwd_wy_k_kernel[(N, H, nkb)](
+    _bwd_wy_k_kernel[(N * H * nkb,)](
         q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
         dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
     del h, dh, dvn, v_new
     dAk = _alloc((NT, H, BT), f32, dev, poison)
-    _bwd_dak_kernel[(N, H)](
+    _bwd_dak_kernel[(N * H,)](
         Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,
         H=H, BT=BT, NPART=1 + nkb, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
@@ -1129,11 +1130,11 @@ def _backward(do, dht, saved, layout, meta):
     dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    _bwd_intra_kernel[(N, H, nki)](
+    _bwd_intra_kernel[(N * H * nki,)](
         q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
         dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
+        H=H, K=K, BT=BT, BK=cfg.block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
         EMU=meta.emu, **chunked,
     )  # fmt: skip
 
