@@ -108,10 +108,13 @@ class ChunkKDAConfig:
         state_num_warps_fp32: warps per program of those kernels. They run with one pipelining stage:
             the backward state kernel loads about 100 KB per chunk at K = V = 128, and two copies exceed
             the H200's 227 KB of shared memory.
-        bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile); the
-            backward intra-chunk kernel uses ``block_k``.
+        bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile).
         bwd_block_v: V tile of the backward chunk-parallel kernels.
-        bwd_num_warps: warps per program of the backward chunk-parallel kernels.
+        bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the two below).
+        bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
+            16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
+        bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
+            per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
             when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
@@ -137,11 +140,16 @@ class ChunkKDAConfig:
     bwd_block_k: int = 32
     bwd_block_v: int = 32
     bwd_num_warps: int = 8
+    bwd_intra_block_k: int = 64
+    bwd_intra_num_warps: int = 4
     precision: str = "auto"
     poison: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_block_k", "bwd_block_v"):
+        for name in (
+            "block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_block_k", "bwd_block_v",
+            "bwd_intra_block_k",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
@@ -149,7 +157,7 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
-        for name in ("num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_num_warps"):
+        for name in ("num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_num_warps", "bwd_intra_num_warps"):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
@@ -788,101 +796,84 @@ def _bwd_dak_kernel(
 
 @triton.jit
 def _bwd_intra_kernel(
-    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
-    dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
-    chunk_start, chunk_len, n_tok, scale, lower_bound,
+    q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+    chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, K tile of ``NK``): gradients through A_qk and A_kk, added to the inter-chunk parts.
+    """One (chunk, head, 16-row sub-chunk b, K tile of ``NK``): gradients through A_qk and A_kk of the rows and
+    the columns of sub-chunk b, added in place to the inter-chunk parts in dqh / dkh / dGh.
 
-    Then the reverse cumulative sum of dG inside the chunk (-> dg) and the gate backward (-> dg_raw and
-    per-chunk partial sums for dt_bias and A_log). dq/dk totals overwrite dqh/dkh in place.
-    Row side of A[i, j] (reference = first row of i's sub-chunk), column side (reference = last row of
-    j's sub-chunk): both keep every exp() argument below 15 |lower_bound|.
-    """
-    i_c, i_h, i_k = _chunk_program(NK, H)
+    Row side, A[i, j] with i in b: reference = b's first row, one ``[16, 16] x [16, BK]`` product per column
+    block j <= b. Column side, A[i, j] with j in b: reference = b's last row, one product per row block i >= b.
+    Both keep every exp() argument below 15 |lower_bound|. Working on ``[16, BK]`` tiles keeps the kernel
+    far from the register limit, and each sub-chunk only visits the blocks it interacts with."""
+    i_c, i_h, part = _chunk_program((BT // 16) * NK, H)
+    b = part // NK
+    i_k = part % NK
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
-    r = tl.arange(0, BT)
-    cc = tl.arange(0, BT)
     o16 = tl.arange(0, 16)
-    valid = r < nv
-    tok = t0 + r
-    row = tok * H + i_h  # token-major row index of (token, head)
     c = i_k * BK + tl.arange(0, BK)
     cm = c < K
-    m2 = valid[:, None] & cm[None, :]
-    off = row[:, None] * K + c[None, :]
-    iq = tl.load(rq + row, mask=valid, other=0.0)
-    ik = tl.load(rk + row, mask=valid, other=0.0)
-    qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * iq[:, None]
-    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
-    Gf = tl.load(G + off, mask=m2, other=0.0)
-    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
-    rate, rate_ok = _gate_rate(A_log, i_h)
-    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-    carry = tl.full([BK], 0.0, tl.float32)
-    ddt = tl.full([BK], 0.0, tl.float32)
-    dal = tl.full([BK], 0.0, tl.float32)
-    for bi in tl.static_range(BT // 16):
-        b = BT // 16 - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
-        rb = b * 16 + o16
-        vb = rb < nv
-        tokb = t0 + rb
-        rowb = tokb * H + i_h
-        m2b = vb[:, None] & cm[None, :]
-        offb = rowb[:, None] * K + c[None, :]
-        Gb = tl.load(G + offb, mask=m2b, other=0.0)
-        iqb = tl.load(rq + rowb, mask=vb, other=0.0)
-        ikb = tl.load(rk + rowb, mask=vb, other=0.0)
-        qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * iqb[:, None]
-        kb = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
-        betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
+    rb = b * 16 + o16
+    vb = rb < nv
+    rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+    m2b = vb[:, None] & cm[None, :]
+    offb = rowb[:, None] * K + c[None, :]
+    Gb = tl.load(G + offb, mask=m2b, other=0.0)
+    qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * tl.load(rq + rowb, mask=vb, other=0.0)[:, None]
+    kb = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * tl.load(rk + rowb, mask=vb, other=0.0)[:, None]
+    betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
 
-        # row side: rows of sub-chunk b against all columns j <= i
-        Gr = tl.load(G + ((t0 + tl.minimum(b * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-        xc = kf * tl.exp(tl.where(m2 & (r < b * 16 + 16)[:, None], Gr[None, :] - Gf, float("-inf")))
-        eb = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
-        offA = rowb[:, None] * BT + cc[None, :]
-        pq = tl.load(dAq + offA, mask=vb[:, None], other=0.0)
-        pk = tl.load(dAk + offA, mask=vb[:, None], other=0.0)
-        dqb = (scale * eb) * _dot(pq, xc, P, EMU)
-        yb = eb * _dot(pk, xc, P, EMU)
-        dk_row = betab[:, None] * yb
-        dbeta_b = _sum(kb * yb, 1)
+    # row side: rows of b against the columns j <= i
+    Gr = tl.load(G + ((t0 + tl.minimum(b * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+    acc_q = tl.full([16, BK], 0.0, tl.float32)
+    acc_k = tl.full([16, BK], 0.0, tl.float32)
+    for jb in range(0, b + 1):
+        rj = jb * 16 + o16
+        vj = rj < nv
+        rowj = (t0 + rj) * H + i_h
+        m2j = vj[:, None] & cm[None, :]
+        offj = rowj[:, None] * K + c[None, :]
+        Gj = tl.load(G + offj, mask=m2j, other=0.0)
+        kj = tl.load(k + offj, mask=m2j, other=0.0).to(tl.float32) * tl.load(rk + rowj, mask=vj, other=0.0)[:, None]
+        xj = kj * tl.exp(tl.where(m2j, Gr[None, :] - Gj, float("-inf")))
+        offA = rowb[:, None] * BT + rj[None, :]
+        acc_q += _dot(tl.load(dAq + offA, mask=vb[:, None], other=0.0), xj, P, EMU)
+        acc_k += _dot(tl.load(dAk + offA, mask=vb[:, None], other=0.0), xj, P, EMU)
+    eb = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
+    dqb = (scale * eb) * acc_q
+    yb = eb * acc_k
+    dk_row = betab[:, None] * yb
 
-        # column side: columns of sub-chunk b against all rows i >= j
-        r1 = tl.minimum(b * 16 + 15, nv - 1)
-        Gr1 = tl.load(G + ((t0 + r1) * H + i_h) * K + c, mask=cm, other=0.0)
-        ez = tl.exp(tl.where(m2 & (r >= b * 16)[:, None], Gf - Gr1[None, :], float("-inf")))
-        ec = tl.exp(tl.where(m2b, Gr1[None, :] - Gb, float("-inf")))
-        offAT = row[None, :] * BT + rb[:, None]  # [16, BT]: (j, i) -> dA[i, j]
-        pqT = tl.load(dAq + offAT, mask=vb[:, None] & valid[None, :], other=0.0)
-        pkT = tl.load(dAk + offAT, mask=vb[:, None] & valid[None, :], other=0.0)
-        dk_col = ec * (scale * _dot(pqT, qf * ez, P, EMU) + _dot(pkT, (beta_f[:, None] * kf) * ez, P, EMU))
-        dGb = qb * dqb + kb * (dk_row - dk_col)
+    # column side: columns of b against the rows i >= j
+    Gr1 = tl.load(G + ((t0 + tl.minimum(b * 16 + 15, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+    acc_c = tl.full([16, BK], 0.0, tl.float32)
+    for ib in range(b, tl.cdiv(nv, 16)):
+        ri = ib * 16 + o16
+        vi = ri < nv
+        rowi = (t0 + ri) * H + i_h
+        m2i = vi[:, None] & cm[None, :]
+        offi = rowi[:, None] * K + c[None, :]
+        ez = tl.exp(tl.where(m2i, tl.load(G + offi, mask=m2i, other=0.0) - Gr1[None, :], float("-inf")))
+        qi = tl.load(q + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rq + rowi, mask=vi, other=0.0)[:, None]
+        ki = tl.load(k + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rk + rowi, mask=vi, other=0.0)[:, None]
+        bi = _load_beta(beta_raw, rowi, vi, BETA_SIGMOID)
+        offAT = rowi[None, :] * BT + rb[:, None]  # [16, 16]: (j, i) -> dA[i, j]
+        mT = vb[:, None] & vi[None, :]
+        acc_c += _dot(tl.load(dAq + offAT, mask=mT, other=0.0), (scale * qi) * ez, P, EMU)
+        acc_c += _dot(tl.load(dAk + offAT, mask=mT, other=0.0), (bi[:, None] * ki) * ez, P, EMU)
+    dk_col = tl.exp(tl.where(m2b, Gr1[None, :] - Gb, float("-inf"))) * acc_c
 
-        dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dqb
-        dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_row + dk_col
-        dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + dGb
-        dg = _revcumsum(dG_t, 0) + carry[None, :]
-        carry += _sum(dG_t, 0)
-
-        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
-        graw = tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32)
-        z, sig = _gate_sigmoid(graw, dt, rate)
-        dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-        ddt += _sum(dz, 0)
-        dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
-        tl.debug_barrier()  # every thread has read dqh/dkh of this sub-chunk before it is overwritten
-        tl.store(dqh + offb, dq_t, mask=m2b)
-        tl.store(dkh + offb, dk_t, mask=m2b)
-        tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
-        tl.store(dbeta_part + i_k * n_tok * H + rowb, dbeta_b, mask=vb)
-    poff = (i_c.to(tl.int64) * H + i_h) * K + c
-    tl.store(ddt_part + poff, ddt * rate, mask=cm)
-    tl.store(dalog_part + poff, dal * rate_ok, mask=cm)
+    dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dqb
+    dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_row + dk_col
+    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + qb * dqb + kb * (dk_row - dk_col)
+    tl.debug_barrier()  # every thread has read its inter-chunk parts before they are overwritten
+    tl.store(dqh + offb, dq_t, mask=m2b)
+    tl.store(dkh + offb, dk_t, mask=m2b)
+    tl.store(dGh + offb, dG_t, mask=m2b)
+    tl.store(dbeta_part + i_k * n_tok * H + rowb, _sum(kb * yb, 1), mask=vb)
 
 
 @_helper
@@ -899,29 +890,54 @@ def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.
 
 @triton.jit
 def _bwd_finish_kernel(
-    q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta,
-    n_tok,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, NKB: tl.constexpr,
+    q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+    dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
+    chunk_start, chunk_len, n_tok, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (token block, head): L2-norm backward of dq, dk; dbeta totals and the sigmoid backward."""
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
-    tok = i_t.to(tl.int64) * BR + tl.arange(0, BR)
-    row = tok * H + i_h  # token-major row index of (token, head)
-    tm = tok < n_tok
+    """One (chunk, head), sub-chunks last to first: the reverse cumulative sum of dG (-> dg), the gate
+    backward (-> dg_raw and per-chunk partial sums for dt_bias and A_log), the L2-norm backward of dq, dk,
+    and the dbeta totals with the sigmoid backward."""
+    i_c, i_h, _ = _chunk_program(1, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    o16 = tl.arange(0, 16)
     kc = tl.arange(0, KP)
-    m2 = tm[:, None] & (kc < K)[None, :]
-    off = row[:, None] * K + kc[None, :]
-    _l2norm_bwd(q, rq, dqh, dq, off, m2, row, tm, L2NORM, EMU)
-    _l2norm_bwd(k, rk, dkh, dk, off, m2, row, tm, L2NORM, EMU)
-    db = tl.load(dbeta_wy + row, mask=tm, other=0.0)
-    for j in tl.static_range(NKB):
-        db += tl.load(dbeta_part + j * n_tok * H + row, mask=tm, other=0.0)
-    if BETA_SIGMOID:
-        s = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + row, mask=tm, other=0.0).to(tl.float32)))
-        db = db * s * (1.0 - s)
-    tl.store(dbeta + row, _out(db, dbeta, EMU), mask=tm)
+    km = kc < K
+    rate, rate_ok = _gate_rate(A_log, i_h)
+    dt = tl.load(dt_bias + i_h * K + kc, mask=km, other=0.0).to(tl.float32)
+    carry = tl.full([KP], 0.0, tl.float32)
+    ddt = tl.full([KP], 0.0, tl.float32)
+    dal = tl.full([KP], 0.0, tl.float32)
+    for bi in range(0, tl.cdiv(nv, 16)):
+        b = tl.cdiv(nv, 16) - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
+        rb = b * 16 + o16
+        vb = rb < nv
+        rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+        m2b = vb[:, None] & km[None, :]
+        offb = rowb[:, None] * K + kc[None, :]
+        dG_t = tl.load(dGh + offb, mask=m2b, other=0.0)
+        dg = _revcumsum(dG_t, 0) + carry[None, :]
+        carry += _sum(dG_t, 0)
+        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+        z, sig = _gate_sigmoid(tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32), dt, rate)
+        dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+        ddt += _sum(dz, 0)
+        dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
+        tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
+        _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
+        _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
+        db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
+        for j in tl.static_range(NKB):
+            db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
+        if BETA_SIGMOID:
+            sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
+            db = db * sb * (1.0 - sb)
+        tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
+    poff = (i_c.to(tl.int64) * H + i_h) * K + kc
+    tl.store(ddt_part + poff, ddt * rate, mask=km)
+    tl.store(dalog_part + poff, dal * rate_ok, mask=km)
 
 
 # ============================================================================================ host side
@@ -1077,7 +1093,7 @@ def _backward(do, dht, saved, layout, meta):
     f32, poison = torch.float32, cfg.poison
     KP = max(16, triton.next_power_of_2(K))
     nkb = triton.cdiv(K, cfg.bwd_block_k)  # K tiles of the WY kernel
-    nki = triton.cdiv(K, cfg.block_k)  # K tiles of the intra-chunk kernel
+    nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
@@ -1127,25 +1143,26 @@ def _backward(do, dht, saved, layout, meta):
     )  # fmt: skip
     del dAk_part
 
-    dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
-    ddt_part = _alloc((N, H, K), f32, dev, poison)
-    dalog_part = _alloc((N, H, K), f32, dev, poison)
-    _bwd_intra_kernel[(N * H * nki,)](
-        q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk,
-        dqh, dkh, dGh, dg_raw, dbeta_part, ddt_part, dalog_part,
-        layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
-        EMU=meta.emu, **chunked,
+    _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
+        q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.scale,
+        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    del dAq, dAk
 
     dq = _alloc((NT, H, K), q.dtype, dev, poison)
     dk = _alloc((NT, H, K), k.dtype, dev, poison)
+    dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
-    BR = 64
-    _bwd_finish_kernel[(triton.cdiv(NT, BR), H)](
-        q, k, beta_raw, rq, rk, dqh, dkh, dbeta_wy, dbeta_part, dq, dk, dbeta, NT,
-        H=H, K=K, KP=KP, BR=BR, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
-        **chunked,
+    ddt_part = _alloc((N, H, K), f32, dev, poison)
+    dalog_part = _alloc((N, H, K), f32, dev, poison)
+    _bwd_finish_kernel[(N * H,)](
+        q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+        dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.lower_bound,
+        H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)

@@ -116,8 +116,11 @@ def test_varlen_forward_backward_states(dtype):
 @pytest.mark.parametrize(
     "tiles",
     [
-        dict(block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, state_block_v=16, state_block_v_fp32=16),
-        dict(block_k=32, bwd_block_k=16),  # the two backward K tilings differ
+        dict(
+            block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16, state_block_v=16,
+            state_block_v_fp32=16,
+        ),
+        dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32),  # the two backward K tilings differ
     ],
 )
 def test_tiles_smaller_than_the_head_dims(tiles):
@@ -260,6 +263,8 @@ def test_cu_seqlens_needs_a_packed_batch():
     [
         ("block_k", 24, r"ChunkKDAConfig.block_k must be a power of two >= 16, got 24"),
         ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
+        ("bwd_intra_block_k", 48, r"ChunkKDAConfig.bwd_intra_block_k must be a power of two >= 16, got 48"),
+        ("bwd_intra_num_warps", 6, r"ChunkKDAConfig.bwd_intra_num_warps must be one of 1, 2, 4, 8, 16, got 6"),
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("state_num_stages", 0, r"ChunkKDAConfig.state_num_stages must be an int from 1 to 4, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
