@@ -103,12 +103,14 @@ class ChunkKDAConfig:
             fp32 state in registers (power of two >= 16).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
-        state_block_v_fp32: V tile of the state kernels with fp32 operands (the training forward, the
-            backward's recomputation and the backward state kernel). Every V tile re-reads the chunk's
-            ``[BT, K]`` operand tiles, which are twice the size in fp32, so the tile is wider.
-        state_num_warps_fp32: warps per program of those kernels. They run with one pipelining stage:
-            the backward state kernel loads about 100 KB per chunk at K = V = 128, and two copies exceed
-            the H200's 227 KB of shared memory.
+        state_block_v_fp32: V tile of the forward state kernel when ``kd`` and ``u`` are fp32 (the
+            training forward and the backward's recomputation of the states).
+        state_num_warps_fp32: warps per program of that kernel.
+        state_num_stages_fp32: pipelining depth of its loop over chunks.
+        bwd_state_block_v: V tile of the backward state kernel (reverse recurrence of ``dS``).
+        bwd_state_num_warps: warps per program of that kernel.
+        bwd_state_num_stages: pipelining depth of its loop; each stage holds one chunk's ``kd`` (fp32),
+            ``qg`` and ``w`` (bf16) tiles, about 60 KB at K = 128, in shared memory (227 KB on an H200).
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile).
         bwd_block_v: V tile of the backward chunk-parallel kernels.
         bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the two below).
@@ -136,8 +138,12 @@ class ChunkKDAConfig:
     state_block_v: int = 32
     state_num_warps: int = 4
     state_num_stages: int = 2
-    state_block_v_fp32: int = 64
-    state_num_warps_fp32: int = 8
+    state_block_v_fp32: int = 32
+    state_num_warps_fp32: int = 4
+    state_num_stages_fp32: int = 2
+    bwd_state_block_v: int = 32
+    bwd_state_num_warps: int = 8
+    bwd_state_num_stages: int = 2
     bwd_block_k: int = 32
     bwd_block_v: int = 32
     bwd_num_warps: int = 8
@@ -148,17 +154,20 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_block_k", "bwd_block_v",
+            "block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v",
             "bwd_intra_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("num_stages", "state_num_stages"):
+        for name in ("num_stages", "state_num_stages", "state_num_stages_fp32", "bwd_state_num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
-        for name in ("num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_num_warps", "bwd_intra_num_warps"):
+        for name in (
+            "num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps",
+            "bwd_intra_num_warps",
+        ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
@@ -1026,7 +1035,7 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison)
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
-    fp32 = w.dtype == torch.float32
+    fp32 = kd.dtype == torch.float32
     BV = cfg.state_block_v_fp32 if fp32 else cfg.state_block_v
     _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
@@ -1034,7 +1043,7 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
         num_warps=cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps,
-        num_stages=1 if fp32 else cfg.state_num_stages,
+        num_stages=cfg.state_num_stages_fp32 if fp32 else cfg.state_num_stages,
     )  # fmt: skip
     return h, v_new, (ht if want_final else None)
 
@@ -1050,16 +1059,19 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
     NT, N = layout.n_tokens, layout.n_chunks
     f32, poison = torch.float32, cfg.poison
-    inter = torch.bfloat16 if meta.lean and meta.prec_fwd != 2 else f32
+    # bf16 for product operands whose rounding the tests' error budget absorbs also in training (A_qk, w, qg);
+    # u and kd stay fp32 when a backward follows (u - w S cancels; kd feeds dv_new = dv + kd dS)
+    half = torch.bfloat16 if meta.prec_fwd != 2 else f32
+    inter = half if meta.lean else f32
     G = _alloc((NT, H, K), f32, dev, poison)
     gl = _alloc((N, H, K), f32, dev, poison)
     rq = _alloc((NT, H), f32, dev, poison)
     rk = _alloc((NT, H), f32, dev, poison)
-    Aqk = _alloc((NT, H, BT), inter, dev, poison)
+    Aqk = _alloc((NT, H, BT), half, dev, poison)
     Tkk = _alloc((NT, H, BT), f32, dev, poison)  # also the in-place scratch of the inverse
-    w = _alloc((NT, H, K), inter, dev, poison)
+    w = _alloc((NT, H, K), half, dev, poison)
     u = _alloc((NT, H, V), inter, dev, poison)
-    qg = _alloc((NT, H, K), inter, dev, poison)
+    qg = _alloc((NT, H, K), half, dev, poison)
     kd = _alloc((NT, H, K), inter, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _fwd_gate_kernel[(N * H * triton.cdiv(K, cfg.block_k),)](
@@ -1103,7 +1115,7 @@ def _backward(do, dht, saved, layout, meta):
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec, h_dtype=f32, v_new_dtype=f32, want_final=False
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.bfloat16 if meta.prec_fwd != 2 else f32, v_new_dtype=f32, want_final=False
     )
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
@@ -1116,11 +1128,11 @@ def _backward(do, dht, saved, layout, meta):
     dh = _alloc((N, H, K, V), f32, dev, poison)
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
-    _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.state_block_v_fp32))](
+    _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.bwd_state_block_v))](
         qg, kd, gl, w, do, dvl, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
-        H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.state_block_v_fp32, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        P=meta.prec, EMU=meta.emu, num_warps=cfg.state_num_warps_fp32, num_stages=1,
+        H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.bwd_state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_state_num_warps, num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, dvl
 

@@ -118,7 +118,7 @@ def test_varlen_forward_backward_states(dtype):
     [
         dict(
             block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16, state_block_v=16,
-            state_block_v_fp32=16,
+            state_block_v_fp32=16, bwd_state_block_v=16,
         ),
         dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32),  # the two backward K tilings differ
     ],
