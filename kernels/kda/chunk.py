@@ -594,12 +594,13 @@ def _fwd_out_kernel(
 
 @triton.jit
 def _bwd_dav_kernel(
-    Aqk, v_new, do, dAq, dvl,
+    v_new, do, dAq,
     chunk_start, chunk_len,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): dA_qk = dO v_new^T (masked j <= i), intra-chunk dv_new = A_qk^T dO."""
+    """One (chunk, head): dA_qk = dO v_new^T (masked j <= i). The other product of this pair, the
+    intra-chunk ``A_qk^T dO`` of dv_new, is formed in the backward state kernel, which loads dO anyway."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -609,7 +610,6 @@ def _bwd_dav_kernel(
     tok = t0 + r
     row = tok * H + i_h  # token-major row index of (token, head)
     offA = row[:, None] * BT + cc[None, :]
-    AqT = tl.trans(tl.load(Aqk + offA, mask=valid[:, None], other=0.0))
     dA = tl.full([BT, BT], 0.0, tl.float32)
     for vv in tl.static_range(0, V, BV):
         c = vv + tl.arange(0, BV)
@@ -618,14 +618,13 @@ def _bwd_dav_kernel(
         dot_ = tl.load(do + off, mask=m2, other=0.0).to(tl.float32)
         vn = tl.load(v_new + off, mask=m2, other=0.0)
         dA += _dot(dot_, tl.trans(vn), P, EMU)
-        tl.store(dvl + off, _dot(AqT, dot_, P, EMU), mask=m2)
     dA = tl.where(valid[:, None] & (cc[None, :] <= r[:, None]), dA, 0.0)
     tl.store(dAq + offA, dA, mask=valid[:, None])
 
 
 @triton.jit
 def _bwd_state_kernel(
-    qg, kd, gl, w, do, dvl, dht, dh_out, dvn, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dh_out, dvn, dh0,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -633,7 +632,7 @@ def _bwd_state_kernel(
 ):  # fmt: skip
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
-    dv_new = dv_intra + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
+    dv_new = A_qk^T dO + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
     ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -664,10 +663,11 @@ def _bwd_state_kernel(
         offk = row[:, None] * K + kc[None, :]
         offv = row[:, None] * V + vc[None, :]
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
-        dv_ = tl.load(dvl + offv, mask=m2v, other=0.0) + _dot(kdt, dS, P, EMU)
+        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
+        AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
+        dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
         tl.store(dvn + offv, dv_, mask=m2v)
         qgt = tl.load(qg + offk, mask=m2k, other=0.0)
-        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
         dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
@@ -1119,9 +1119,8 @@ def _backward(do, dht, saved, layout, meta):
     )
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
-    dvl = _alloc((NT, H, V), f32, dev, poison)
     _bwd_dav_kernel[(N * H,)](
-        Aqk, v_new, do, dAq, dvl, layout.chunk_start, layout.chunk_len,
+        v_new, do, dAq, layout.chunk_start, layout.chunk_len,
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
 
@@ -1129,12 +1128,12 @@ def _backward(do, dht, saved, layout, meta):
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, cfg.bwd_state_block_v))](
-        qg, kd, gl, w, do, dvl, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
+        qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=cfg.bwd_state_block_v, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_state_num_warps, num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
-    del qg, kd, gl, dvl
+    del qg, kd, gl, Aqk
 
     dv = _alloc((NT, H, V), v.dtype, dev, poison)
     dAk_part = _alloc((1 + nkb, NT, H, BT), f32, dev, poison)  # du u^T, then dw w^T of every K tile
