@@ -8,20 +8,23 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G``, the
-  last row ``G_last`` of every chunk and the inverse row norms of q and k; (2) one program per (chunk,
-  head, 16-row strip): rows of ``A_qk`` and ``A_kk``, with the strip's diagonal block of ``A_kk`` already
-  inverted; (3) a chunk-parallel WY kernel: ``T``, ``w``, ``u`` and the operands of the next two stages,
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and
+  the last row ``G_last`` of every chunk; (2) one program per (chunk, head, 16-row strip): rows of ``A_qk``
+  and ``A_kk``, with the strip's diagonal block of ``A_kk`` already inverted, and the inverse row norms of
+  the strip's q and k; (3) a chunk-parallel WY kernel: ``T``, ``w``, ``u`` and the operands of the next two stages,
   ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (4) one program per (sequence, head, V tile)
   carries the fp32 state in registers across the chunks of its sequence and writes the state before
   every chunk plus ``v_new``; (5) a chunk-parallel output kernel. Backward recomputes the states (stage 4
-  again) instead of keeping them, then: ``dA_qk`` and the intra-chunk part of ``dv_new``; the reverse state
-  recurrence (``dS`` per chunk, full ``dv_new``, ``d initial_state``); the WY-transform gradients in two
-  kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
-  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients
-  through ``A_qk`` / ``A_kk`` fused with the reverse cumulative sum of ``dG`` and the gate's backward; and
-  a last row-wise kernel for the L2-norm and sigmoid backward. No Python loop runs over chunks: chunk and
-  sequence index tables are built on the host once per call (vectorised).
+  again) instead of keeping them, then: ``dA_qk``; the reverse state recurrence (``dS`` per chunk,
+  ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``,
+  ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
+  ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
+  program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum of ``dG``, the
+  gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk and
+  sequence index tables are built on the host (vectorised, cached per layout).
+* Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
+  sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
+  tiles run together and share them through L2.
 * Registers decide the speed. A kernel that keeps a whole chunk's ``[64, 128]`` fp32 tiles of several
   operands live spills to local memory, and an H200 then runs it several times slower; the stages are cut
   where Triton's resource report showed spills (the fused intra-chunk kernel, the K-tile loop of the WY
@@ -45,9 +48,12 @@ Design decisions
   most of the backward, and split bf16 (``hi + lo``, three bf16 tensor-core products, about 16 significant
   bits) in the backward intra-chunk kernel, where ``dG`` gathers pairwise terms that cancel exactly (each
   ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
-  all tokens. Intermediates that cross kernels are fp32 when a backward will follow; without autograd
-  (inference, prefill) the product operands among them (``A_qk``, ``w``, ``u``, ``qg``, ``kd``,
-  ``v_new``, the states) are bf16, half the bytes, since the products round them to bf16 or tf32 anyway.
+  all tokens. Without autograd (inference, prefill) the product operands that cross kernels (``A_qk``,
+  ``w``, ``u``, ``qg``, ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round
+  them to bf16 or tf32 anyway. When a backward follows, ``A_qk``, ``w``, ``qg`` and the recomputed states
+  are bf16 too (the states' recomputation uses bf16 products, like the forward), while ``u``, ``kd``,
+  ``T`` and ``v_new`` stay fp32: rounding ``u`` (in ``v_new = u - w S``, which cancels) or ``v_new``
+  raised ``dA_log``'s error five-fold in the CPU tests, rounding ``kd`` raised ``dv``'s and ``dbeta``'s.
   With an fp32 input every product is exact fp32 (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
