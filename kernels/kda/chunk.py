@@ -11,10 +11,11 @@ Design decisions
 * Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and
   the last row ``G_last`` of every chunk; (2) one program per (chunk, head, 16-row strip): rows of ``A_qk``
   and ``A_kk``, with the strip's diagonal block of ``A_kk`` already inverted, and the inverse row norms of
-  the strip's q and k; (3) a chunk-parallel WY kernel: ``T``, ``w``, ``u`` and the operands of the next two stages,
-  ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (4) one program per (sequence, head, V tile)
+  the strip's q and k; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
+  one program per (chunk, head, K or V tile): ``w``, ``u`` and the operands of the next two stages,
+  ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence, head, V tile)
   carries the fp32 state in registers across the chunks of its sequence and writes the state before
-  every chunk plus ``v_new``; (5) a chunk-parallel output kernel. Backward recomputes the states (stage 4
+  every chunk plus ``v_new``; (6) a chunk-parallel output kernel. Backward recomputes the states (stage 5
   again) instead of keeping them, then: ``dA_qk``; the reverse state recurrence (``dS`` per chunk,
   ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``,
   ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
@@ -39,7 +40,7 @@ Design decisions
   ``<= exp(15 |lower_bound|)``. That turns each 16-row strip of ``A_qk`` / ``A_kk`` (and of their
   gradients) into one ``tl.dot``. ``lower_bound`` is therefore limited to ``15 |lower_bound| <= 80``.
 * Inverse. Each strip program inverts its 16x16 diagonal block as ``(I - A)(I + A^2)(I + A^4)(I + A^8)``
-  (A is nilpotent) in exact fp32. The WY kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
+  (A is nilpotent) in exact fp32. The next kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
   the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
   block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
@@ -451,59 +452,69 @@ def _fwd_intra_kernel(
 
 
 @triton.jit
-def _fwd_wy_kernel(
-    q, k, v, beta_raw, G, rq, rk, Akk, w, u, qg, kd, gl,
-    chunk_start, chunk_len, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, STORE_T: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+def _fwd_inverse_kernel(
+    Akk, chunk_start, chunk_len,
+    H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): T = (I + A_kk)^-1 (written over A_kk when the backward needs it), w, u and the
-    operands of the state and output kernels, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``.
+    """One (chunk, head): T = (I + A_kk)^-1, written over the strip kernel's output X.
 
-    T from the strip kernel's output X (diagonal blocks already inverted, D; strictly block-lower part L):
+    X holds the inverted diagonal blocks D and the strictly block-lower part L of A_kk:
     I + A = (I + A_diag)(I + D L), and M = D L is block-nilpotent (M^4 = 0 for four 16-row blocks), so
-    T = (I + M)^-1 D = (I - M)(I + M^2) D: four chunk-sized products, no sequential block sweep."""
+    T = (I + M)^-1 D = (I - M)(I + M^2) D: four chunk-sized products, no sequential block sweep. A kernel
+    of its own so that the WY kernel, which applies T to every K and V tile, can run one program per tile."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
     valid = r < nv
-    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
-    iq = tl.load(rq + row, mask=valid, other=0.0)
-    ik = tl.load(rk + row, mask=valid, other=0.0)
-    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
-
-    offT = row[:, None] * BT + r[None, :]
+    offT = ((t0 + r) * H + i_h)[:, None] * BT + r[None, :]
     X = tl.load(Akk + offT, mask=valid[:, None] & valid[None, :], other=0.0)
-    if BT > 16:
-        blk = r // 16
-        D = tl.where(blk[:, None] == blk[None, :], X, 0.0)
-        M = _dot(D, tl.where(blk[:, None] > blk[None, :], X, 0.0), P, EMU)
-        Y = (r[:, None] == r[None, :]).to(tl.float32) + _dot(M, M, P, EMU)
-        Tm = _dot(Y - _dot(M, Y, P, EMU), D, P, EMU)
-    else:
-        Tm = X
-    if STORE_T:
-        tl.debug_barrier()  # every thread has read its part of X
-        tl.store(Akk + offT, Tm, mask=valid[:, None])
+    blk = r // 16
+    D = tl.where(blk[:, None] == blk[None, :], X, 0.0)
+    M = _dot(D, tl.where(blk[:, None] > blk[None, :], X, 0.0), P, EMU)
+    Y = (r[:, None] == r[None, :]).to(tl.float32) + _dot(M, M, P, EMU)
+    Tm = _dot(Y - _dot(M, Y, P, EMU), D, P, EMU)
+    tl.debug_barrier()  # every thread has read its part of X
+    tl.store(Akk + offT, Tm, mask=valid[:, None])
 
-    glrow = gl + (i_c.to(tl.int64) * H + i_h) * K
-    for kk in tl.static_range(0, K, BK):
-        c = kk + tl.arange(0, BK)
+
+@triton.jit
+def _fwd_wy_kernel(
+    q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, K or V tile): ``w = T (beta k exp(G))`` and the operands of the state and output
+    kernels, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``, on a K tile; ``u = T (beta v)`` on a
+    V tile. The tiles of one (chunk, head) are neighbours on the grid and share T through L2."""
+    NKT: tl.constexpr = (K + BK - 1) // BK
+    i_c, i_h, part = _chunk_program(NKT + (V + BV - 1) // BV, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    r = tl.arange(0, BT)
+    valid = r < nv
+    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    Tm = tl.load(Tkk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+    if part < NKT:
+        c = part * BK + tl.arange(0, BK)
         cm = c < K
         m2 = valid[:, None] & cm[None, :]
         off = row[:, None] * K + c[None, :]
+        ik = tl.load(rk + row, mask=valid, other=0.0)
         kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
         Gf = tl.load(G + off, mask=m2, other=0.0)
-        Gl = tl.load(glrow + c, mask=cm, other=0.0)
+        Gl = tl.load(gl + (i_c.to(tl.int64) * H + i_h) * K + c, mask=cm, other=0.0)
         eg = tl.exp(tl.where(m2, Gf, float("-inf")))
         tl.store(w + off, _out(_dot(Tm, beta_f[:, None] * kf * eg, P, EMU), w, EMU), mask=m2)
         tl.store(kd + off, _out(kf * tl.exp(tl.where(m2, Gl[None, :] - Gf, float("-inf"))), kd, EMU), mask=m2)
+        iq = tl.load(rq + row, mask=valid, other=0.0)
         qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (iq * scale)[:, None]
         tl.store(qg + off, _out(qf * eg, qg, EMU), mask=m2)
-    for vv in tl.static_range(0, V, BV):
-        c = vv + tl.arange(0, BV)
+    else:
+        c = (part - NKT) * BV + tl.arange(0, BV)
         m2 = valid[:, None] & (c < V)[None, :]
         off = row[:, None] * V + c[None, :]
         x = tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * beta_f[:, None]
@@ -1034,7 +1045,7 @@ class _Meta:
 
 
 def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final):
-    """Stage 2 (also the backward's recomputation): states before every chunk, v_new, final state."""
+    """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state."""
     _, H, K = kd.shape
     V = u.shape[-1]
     cfg, dev = meta.cfg, kd.device
@@ -1089,10 +1100,15 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
         H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
         EMU=meta.emu, **launch,
     )  # fmt: skip
-    _fwd_wy_kernel[(N * H,)](
+    if BT > _SUB:
+        _fwd_inverse_kernel[(N * H,)](
+            Tkk, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu, **launch,
+        )  # fmt: skip
+    n_tiles = triton.cdiv(K, cfg.block_k) + triton.cdiv(V, cfg.block_v)
+    _fwd_wy_kernel[(N * H * n_tiles,)](
         q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
         H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
-        STORE_T=not meta.lean, P=meta.prec_intra, EMU=meta.emu, **launch,
+        P=meta.prec_intra, EMU=meta.emu, **launch,
     )  # fmt: skip
     h, v_new, ht = _run_state_forward(
         kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=f32 if want_chunks else inter,
