@@ -1111,8 +1111,8 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
         P=meta.prec_intra, EMU=meta.emu, **launch,
     )  # fmt: skip
     h, v_new, ht = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=f32 if want_chunks else inter,
-        v_new_dtype=inter, want_final=want_final,
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=f32 if want_chunks else half,
+        v_new_dtype=half, want_final=want_final,
     )  # fmt: skip
     o = _alloc((NT, H, V), v.dtype, dev, poison)
     nv = triton.cdiv(V, cfg.block_v)
