@@ -145,17 +145,17 @@ class ChunkKDAConfig:
     state_block_v: int = 32
     state_num_warps: int = 4
     state_num_stages: int = 2
-    state_block_v_fp32: int = 32
-    state_num_warps_fp32: int = 4
+    state_block_v_fp32: int = 64
+    state_num_warps_fp32: int = 8
     state_num_stages_fp32: int = 2
-    bwd_state_block_v: int = 32
+    bwd_state_block_v: int = 64
     bwd_state_num_warps: int = 8
-    bwd_state_num_stages: int = 2
-    bwd_block_k: int = 32
-    bwd_block_v: int = 32
+    bwd_state_num_stages: int = 1
+    bwd_block_k: int = 64
+    bwd_block_v: int = 64
     bwd_num_warps: int = 8
     bwd_intra_block_k: int = 64
-    bwd_intra_num_warps: int = 4
+    bwd_intra_num_warps: int = 2
     precision: str = "auto"
     poison: bool = False
 
