@@ -273,3 +273,18 @@ def test_cu_seqlens_needs_a_packed_batch():
 def test_config_fields_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):
         ChunkKDAConfig(**{field: value})
+
+
+def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch):
+    # One program per (sequence, head, V tile): the widest tile when that fills at least half of 132 SMs,
+    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count).
+    import k3.kernels.kda.chunk as chunk_module
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 132)
+    assert chunk_module._state_block_v(64, 64, 128, cpu) == 64  # 2 x 32 heads: 128 programs
+    assert chunk_module._state_block_v(64, 32, 128, cpu) == 32  # 1 x 32 heads: 64 -> 128 programs
+    assert chunk_module._state_block_v(64, 2, 128, cpu) == 16
+    assert chunk_module._state_block_v(16, 1, 128, cpu) == 16
+    monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 0)
+    assert chunk_module._state_block_v(64, 1, 128, cpu) == 64
