@@ -1,4 +1,4 @@
-"""Kernel benchmark: ``python -m k3.kernels.bench [--quick] [--json FILE] [--only NAME ...] [--tune]``.
+"""Kernel benchmark: ``python -m k3.kernels.bench [--quick] [--json FILE] [--only NAME ...] [--tune] [--kda-shapes ...]``.
 
 One call, on a CUDA machine, that
 
@@ -21,7 +21,8 @@ GEMM; the plain torch definition (the reference) for SiTU-GLU and the short conv
 
 Shapes (bf16 activations, fp32 states) and what the metric counts:
 
-* KDA chunk, B x T x H x D = 2x8192x32x128, 1x32768x32x128, 8x4096x16x128, forward and forward+backward.
+* KDA chunk, B x T x H x D = 2x8192x32x128, 1x32768x32x128, 8x4096x16x128 (``--kda-shapes`` picks others),
+  forward and forward+backward.
   Nominal FLOPs per token and head: forward ``6 K V + 6 C K + 4 C V`` (C = 64: state read-out, ``w S``,
   state update; ``A_kk``, ``A_qk``, ``w``; ``u``, ``A_qk v_new``), backward twice that.
 * KDA decode, N = 256 sequences, H = 32, K = V = 128, states in a 512-slot pool: bytes = fp32 state read +
@@ -138,6 +139,7 @@ def _rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 class Bench:
     def __init__(self, quick: bool, iters: int, only: list[str] | None):
         self.quick, self.iters, self.only = quick, iters, only
+        self.kda_shapes: list[tuple[int, int, int, int]] | None = None  # None: KDA_CHUNK_SHAPES
         self.report = Report()
         self.dev = torch.device("cuda")
 
@@ -233,6 +235,21 @@ def _kda_inputs(B, T, H, K, dev, dtype=torch.bfloat16, requires_grad=False):
     return q, k, v, g_raw, beta_raw, A_log, dt_bias
 
 
+KDA_CHUNK_SHAPES = [(2, 8192, 32, 128), (1, 32768, 32, 128), (8, 4096, 16, 128)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``"BxTxHxD"`` -> ``(B, T, H, D)``, four positive integers."""
+    parts = text.lower().split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"bad shape {text!r}: expected BxTxHxD with four positive integers, e.g. 2x8192x32x128")
+    return shape
+
+
 def bench_kda_chunk(bench: Bench) -> None:
     from k3.kernels.dispatch import kda_chunk_raw_reference
     from k3.kernels.kda.chunk import chunk_kda
@@ -262,8 +279,8 @@ def bench_kda_chunk(bench: Bench) -> None:
     bench.guarded("kda_chunk backward check", backward_check)
 
     fla = _fla()
-    shapes = [(2, 8192, 32, 128), (1, 32768, 32, 128), (8, 4096, 16, 128)]
-    if bench.quick:
+    shapes = bench.kda_shapes or KDA_CHUNK_SHAPES
+    if bench.quick and not bench.kda_shapes:
         shapes = [(1, 2048, 8, 128)]
     for B, T, H, D in shapes:
         _time_kda_chunk(bench, fla, B, T, H, D)
@@ -728,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write checks, ceilings and timings as JSON")
     parser.add_argument("--iters", type=int, default=None, help="timed runs per measurement (>= 20; default 20 or 5 quick)")
     parser.add_argument("--only", nargs="*", metavar="NAME", help=f"sections to run, of {sorted(SECTIONS)}")
+    parser.add_argument("--kda-shapes", nargs="+", metavar="BxTxHxD", default=None,
+                        help="KDA chunk shapes to time instead of the three defaults, e.g. 8x4096x16x128")
     parser.add_argument("--tune", nargs="*", metavar="NAME", default=None,
                         help=f"also sweep launch parameters of our kernels (all, or some of {list(TUNABLE)})")
     args = parser.parse_args(argv)
@@ -738,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [o for o in args.only if o not in SECTIONS]
         if unknown:
             parser.error(f"unknown section(s) {unknown}; choose from {sorted(SECTIONS)}")
+    try:
+        kda_shapes = [parse_shape(t) for t in args.kda_shapes] if args.kda_shapes else None
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.tune:
         unknown = [t for t in args.tune if t not in TUNABLE]
         if unknown:
@@ -747,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     bench = Bench(args.quick, iters, args.only)
+    bench.kda_shapes = kda_shapes
     import triton
 
     props = torch.cuda.get_device_properties(0)

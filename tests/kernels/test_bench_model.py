@@ -63,3 +63,12 @@ def test_bench_command_knows_the_model_section():
         assert bench.main(["--quick", "--only", "model"]) == 2
     with pytest.raises(SystemExit):
         bench.main(["--only", "modle"])
+
+
+def test_kda_shapes_option_parses_and_rejects_bad_shapes():
+    assert bench.parse_shape("8x4096x16x128") == (8, 4096, 16, 128)
+    for bad in ("8x4096x16", "8x4096x0x128", "axbxcxd", ""):
+        with pytest.raises(ValueError, match="expected BxTxHxD"):
+            bench.parse_shape(bad)
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "kda_chunk", "--kda-shapes", "2x8192x32"])
