@@ -295,7 +295,7 @@ def _out(x, ptr, EMU: tl.constexpr):
 
 @_helper
 def _chunk_program(S: tl.constexpr, H: tl.constexpr):
-    """``(chunk, head, part)`` of a program on the 1-D grid of ``chunks * H * S`` programs (see ``_chunk_grid``).
+    """``(chunk, head, part)`` of a program on the 1-D grid of ``chunks * H * S`` programs.
 
     The ``S`` parts of one (chunk, head) are launched side by side, then the heads of one chunk: programs
     that read the same tiles run at the same time and share them through L2, and neighbouring programs read
@@ -385,7 +385,7 @@ def _fwd_intra_kernel(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, 16-row strip b): rows of A_qk, and rows of A_kk with the strip's own diagonal block
-    replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the WY kernel assembles T from both), and the
+    replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the inverse kernel assembles T from both), and the
     inverse L2 norms of the strip's q and k rows (``rq``, ``rk``; ones without ``L2NORM``).
 
     The reference row of the strip is its first row (see the module notes), so the strip is one product of
