@@ -8,10 +8,10 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and
-  the last row ``G_last`` of every chunk; (2) one program per (chunk, head, 16-row strip): rows of ``A_qk``
-  and ``A_kk``, with the strip's diagonal block of ``A_kk`` already inverted, and the inverse row norms of
-  the strip's q and k; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G``, the
+  last row ``G_last`` of every chunk and the inverse row norms of q and k; (2) one program per (chunk,
+  head, 16-row strip): rows of ``A_qk`` and ``A_kk``, with the strip's diagonal block of ``A_kk`` already
+  inverted; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
   one program per (chunk, head, K or V tile): ``w``, ``u`` and the operands of the next two stages,
   ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence, head, V tile)
   carries the fp32 state in registers across the chunks of its sequence and writes the state before
@@ -352,29 +352,45 @@ def _unit_lower_inverse16(A):
 
 @triton.jit
 def _fwd_gate_kernel(
-    g_raw, A_log, dt_bias, G, gl,
+    q, k, g_raw, A_log, dt_bias, G, gl, rq, rk,
     chunk_start, chunk_len, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, K tile): the gate and its cumulative sum ``G``, and ``gl = G_last`` (one row per
-    chunk). The q / k norms are left to the strip kernel, which reads those rows anyway."""
-    i_c, i_h, i_k = _chunk_program(tl.cdiv(K, BK), H)
+    """One (chunk, head): the gate and its cumulative sum ``G``, ``gl = G_last`` (one row per chunk) and the
+    inverse row norms of q and k."""
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
     valid = r < nv
     row = (t0 + r) * H + i_h  # token-major row index of (token, head)
     rate, _ = _gate_rate(A_log, i_h)
-    c = i_k * BK + tl.arange(0, BK)
-    cm = c < K
-    m2 = valid[:, None] & cm[None, :]
-    off = row[:, None] * K + c[None, :]
-    graw = tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32)
-    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-    _, sig = _gate_sigmoid(graw, dt, rate)
-    g = tl.where(m2, lower_bound * sig, 0.0)
-    tl.store(G + off, _cumsum(g, 0), mask=m2)
-    tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
+    sq = tl.full([BT], 0.0, tl.float32)
+    sk = tl.full([BT], 0.0, tl.float32)
+    for kk in tl.static_range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
+        off = row[:, None] * K + c[None, :]
+        graw = tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32)
+        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        _, sig = _gate_sigmoid(graw, dt, rate)
+        g = tl.where(m2, lower_bound * sig, 0.0)
+        tl.store(G + off, _cumsum(g, 0), mask=m2)
+        tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
+        if L2NORM:
+            bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
+            bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
+            sq += _sum(bq * bq, 1)
+            sk += _sum(bk * bk, 1)
+    if L2NORM:
+        iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
+        ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
+    else:
+        iq = tl.full([BT], 1.0, dtype=tl.float32)
+        ik = tl.full([BT], 1.0, dtype=tl.float32)
+    tl.store(rq + row, iq, mask=valid)
+    tl.store(rk + row, ik, mask=valid)
 
 
 @triton.jit
@@ -382,16 +398,13 @@ def _fwd_intra_kernel(
     q, k, beta_raw, G, rq, rk, Aqk, Akk,
     chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, 16-row strip b): rows of A_qk, and rows of A_kk with the strip's own diagonal block
-    replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the inverse kernel assembles T from both), and the
-    inverse L2 norms of the strip's q and k rows (``rq``, ``rk``; ones without ``L2NORM``).
+    replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the inverse kernel assembles T from both).
 
     The reference row of the strip is its first row (see the module notes), so the strip is one product of
-    row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile. The norms are row and
-    column factors too, applied to the accumulated products: the sums of squares come from the tiles the
-    products load anyway."""
+    row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile."""
     i_c, i_h, b = _chunk_program(BT // 16, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -402,43 +415,29 @@ def _fwd_intra_kernel(
     rb = b * 16 + o16
     vb = rb < nv
     rowb = (t0 + rb) * H + i_h
+    ik = tl.load(rk + row, mask=cols, other=0.0)
+    ikb = tl.load(rk + rowb, mask=vb, other=0.0)
+    iqb = tl.load(rq + rowb, mask=vb, other=0.0)
     ref = (t0 + tl.minimum(b * 16, nv - 1)) * H + i_h
     acc_q = tl.full([16, BT], 0.0, tl.float32)
     acc_k = tl.full([16, BT], 0.0, tl.float32)
-    ssk = tl.full([BT], 0.0, tl.float32)  # sums of squares: k of the visible columns, q and k of the strip
-    ssqb = tl.full([16], 0.0, tl.float32)
-    sskb = tl.full([16], 0.0, tl.float32)
     for kk in tl.static_range(0, K, BK):
         c = kk + tl.arange(0, BK)
         cm = c < K
         m2 = cols[:, None] & cm[None, :]
         m2b = vb[:, None] & cm[None, :]
         Gr = tl.load(G + ref * K + c, mask=cm, other=0.0)
-        kf = tl.load(k + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        kf = tl.load(k + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32) * ik[:, None]
         Gf = tl.load(G + row[:, None] * K + c[None, :], mask=m2, other=0.0)
         kcT = tl.trans(kf * tl.exp(tl.where(m2, Gr[None, :] - Gf, float("-inf"))))
         offb = rowb[:, None] * K + c[None, :]
         Gb = tl.load(G + offb, mask=m2b, other=0.0)
         er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
-        kbf = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32)
-        qbf = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32)
-        acc_q += _dot(qbf * er, kcT, P, EMU)
-        acc_k += _dot(kbf * er, kcT, P, EMU)
-        if L2NORM:
-            ssk += _sum(kf * kf, 1)
-            ssqb += _sum(qbf * qbf, 1)
-            sskb += _sum(kbf * kbf, 1)
-    if L2NORM:
-        ik = 1.0 / tl.maximum(tl.sqrt(ssk), _L2_EPS)
-        iqb = 1.0 / tl.maximum(tl.sqrt(ssqb), _L2_EPS)
-        ikb = 1.0 / tl.maximum(tl.sqrt(sskb), _L2_EPS)
-        acc_q = acc_q * (iqb[:, None] * ik[None, :])
-        acc_k = acc_k * (ikb[:, None] * ik[None, :])
-    else:
-        iqb = tl.full([16], 1.0, tl.float32)
-        ikb = tl.full([16], 1.0, tl.float32)
-    tl.store(rq + rowb, iqb, mask=vb)
-    tl.store(rk + rowb, ikb, mask=vb)
+        kbf = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
+        qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
+        kb = kbf * er
+        acc_q += _dot(qb, kcT, P, EMU)
+        acc_k += _dot(kb, kcT, P, EMU)
     betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
     offA = rowb[:, None] * BT + r[None, :]
     a_q = tl.where(vb[:, None] & (r[None, :] <= rb[:, None]), acc_q * scale, 0.0)
@@ -1108,14 +1107,14 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     qg = _alloc((NT, H, K), half, dev, poison)
     kd = _alloc((NT, H, K), inter, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fwd_gate_kernel[(N * H * triton.cdiv(K, cfg.block_k),)](
-        g_raw, A_log, dt_bias, G, gl, layout.chunk_start, layout.chunk_len, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.block_k, **launch,
+    _fwd_gate_kernel[(N * H,)](
+        q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
+        H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
     _fwd_intra_kernel[(N * H * (BT // _SUB),)](
         q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
-        EMU=meta.emu, **launch,
+        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
+        **launch,
     )  # fmt: skip
     if BT > _SUB:
         _fwd_inverse_kernel[(N * H,)](
