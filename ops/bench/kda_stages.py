@@ -4,10 +4,12 @@ For every ``--config`` (``ChunkKDAConfig`` fields as ``name=value`` pairs; the d
 times the inference forward (``torch.no_grad``, CUDA events, median of 20) and, with ``--backward``, forward +
 backward, then runs one more call under ``torch.profiler`` and prints the mean GPU time of each of our
 kernels. Use it to see which stage a change moved; ``python -m k3.kernels.bench`` stays the measurement against
-the peer.
+the peer. ``--rev REV`` adds the kernels as of a git revision (``kernels/kda/chunk.py`` at ``REV``, with that
+revision's default config) to the same table, so a change is timed against its predecessor in one process.
 
     python ops/bench/kda_stages.py --backward
     python ops/bench/kda_stages.py --config num_warps=8 --config state_block_v=64,state_num_warps=8
+    python ops/bench/kda_stages.py --backward --rev HEAD~1
 
 Needs a CUDA GPU (exit status 2 without one).
 """
@@ -16,8 +18,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK_SOURCE = "kernels/kda/chunk.py"
 
 
 def parse_config(text: str):
@@ -42,6 +52,28 @@ def parse_config(text: str):
     return ChunkKDAConfig(**kwargs)
 
 
+def load_revision(rev: str):
+    """``kernels/kda/chunk.py`` as of git revision ``rev``, imported as a module of its own.
+
+    The source is written to a temporary file (Triton reads a kernel's source from its file) and registered in
+    ``sys.modules`` under a private name, so it lives beside the installed ``k3.kernels.kda.chunk``."""
+    if not rev or rev.startswith("-"):
+        raise ValueError(f"bad revision {rev!r}: expected a git revision such as HEAD~1 or a commit id")
+    proc = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:{CHUNK_SOURCE}"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"cannot read {CHUNK_SOURCE} at revision {rev!r}: {proc.stderr.strip()}")
+    name = "kda_chunk_at_" + re.sub(r"\W", "_", rev)
+    path = Path(tempfile.mkdtemp(prefix="kda_stages_")) / f"{name}.py"
+    path.write_text(proc.stdout)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their class's module up while it is being executed
+    spec.loader.exec_module(module)
+    return module
+
+
 def _kernel_means(fn) -> dict[str, float]:
     import torch
 
@@ -62,37 +94,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shape", type=int, nargs=4, default=[2, 8192, 32, 128], metavar=("B", "T", "H", "D"))
     p.add_argument("--config", action="append", default=[], help="ChunkKDAConfig fields, e.g. num_warps=8,block_k=32")
     p.add_argument("--backward", action="store_true", help="also time and profile forward + backward")
+    p.add_argument("--rev", action="append", default=[], help="also time the kernels as of this git revision")
     args = p.parse_args(argv)
     try:
         configs = [parse_config(text) for text in args.config] or [parse_config("")]
     except ValueError as exc:
         p.error(str(exc))
+    from k3.kernels.kda.chunk import chunk_kda
+
+    runs = [(str(cfg), chunk_kda, cfg) for cfg in configs]
+    for rev in args.rev:
+        try:
+            module = load_revision(rev)
+        except ValueError as exc:
+            p.error(str(exc))
+        runs.append((f"revision {rev}: {module.ChunkKDAConfig()}", module.chunk_kda, module.ChunkKDAConfig()))
     import torch
 
     if not torch.cuda.is_available():
         print("kda_stages needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.", file=sys.stderr)
         return 2
     from k3.kernels.bench import _kda_inputs, time_ms
-    from k3.kernels.kda.chunk import chunk_kda
 
     B, T, H, D = args.shape
     dev = torch.device("cuda")
     q, k, v, g_raw, beta_raw, A_log, dt_bias = _kda_inputs(B, T, H, D, dev, requires_grad=args.backward)
     do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
     print(f"B{B} T{T} H{H} D{D} on {torch.cuda.get_device_name(0)}")
-    for cfg in configs:
+    for title, kda, cfg in runs:
 
-        def forward(cfg=cfg):
+        def forward(kda=kda, cfg=cfg):
             with torch.no_grad():
-                return chunk_kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
+                return kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
 
-        def forward_backward(cfg=cfg):
-            o, _ = chunk_kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
+        def forward_backward(kda=kda, cfg=cfg):
+            o, _ = kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
             o.backward(do)
 
-        print(f"\n{cfg}")
-        runs = [("fwd", forward)] + ([("fwd+bwd", forward_backward)] if args.backward else [])
-        for label, fn in runs:
+        print(f"\n{title}")
+        passes = [("fwd", forward)] + ([("fwd+bwd", forward_backward)] if args.backward else [])
+        for label, fn in passes:
             ms = time_ms(fn, warmup=5, iters=20)
             stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn).items())
             print(f"  {label:8s} {ms:8.3f} ms | per kernel (ms): {stages}")

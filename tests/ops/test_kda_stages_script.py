@@ -50,3 +50,20 @@ def test_bad_config_on_the_command_line_is_a_usage_error():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "ChunkKDAConfig.num_warps must be one of" in proc.stderr
+
+
+def test_a_git_revision_of_the_kernels_loads_beside_the_installed_ones():
+    module = kda_stages.load_revision("HEAD")
+    assert callable(module.chunk_kda) and module.ChunkKDAConfig().precision == "auto"
+    from k3.kernels.kda import chunk
+
+    assert module is not chunk and module.__name__ == "kda_chunk_at_HEAD"
+
+
+@pytest.mark.parametrize(
+    ("rev", "message"),
+    [("no-such-revision-xyz", r"cannot read kernels/kda/chunk.py at revision"), ("--all", r"bad revision '--all'")],
+)
+def test_a_bad_revision_is_refused_with_its_name(rev, message):
+    with pytest.raises(ValueError, match=message):
+        kda_stages.load_revision(rev)
