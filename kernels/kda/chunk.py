@@ -51,10 +51,11 @@ Design decisions
   ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
   all tokens. Without autograd (inference, prefill) the product operands that cross kernels (``A_qk``,
   ``w``, ``u``, ``qg``, ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round
-  them to bf16 or tf32 anyway. When a backward follows, ``A_qk``, ``w``, ``qg`` and the recomputed states
-  are bf16 too (the states' recomputation uses bf16 products, like the forward), while ``u``, ``kd``,
-  ``T`` and ``v_new`` stay fp32: rounding ``u`` (in ``v_new = u - w S``, which cancels) or ``v_new``
-  raised ``dA_log``'s error five-fold in the CPU tests, rounding ``kd`` raised ``dv``'s and ``dbeta``'s.
+  them to bf16 or tf32 anyway. When a backward follows, ``A_qk``, ``w`` and ``qg`` are bf16 too, while
+  ``u``, ``kd``, ``T``, ``v_new`` and the recomputed states stay fp32 and the states are recomputed with
+  tf32 products: rounding ``u`` (in ``v_new = u - w S``, which cancels) or ``v_new`` raised ``dA_log``'s
+  error five-fold in the CPU tests, rounding ``kd`` raised ``dv``'s and ``dbeta``'s, and bf16 states or
+  bf16 products in the recomputation pushed ``dA_log`` past the tolerance in about one varlen test in 40.
   With an fp32 input every product is exact fp32 (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
@@ -137,6 +138,10 @@ class ChunkKDAConfig:
             ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens. Those pairs are formed in the backward
             intra-chunk kernel: with tf32 there, ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of
             the varlen test), with split products 6e-4.
+        recompute: keep only the inputs for the backward and run the forward's chunk-parallel stages (gate,
+            strips, inverse, WY) again there, instead of keeping their outputs: about 2.4 KB less per token
+            and head at K = V = 128 (``G``, ``T``, ``u``, ``kd`` in fp32, ``A_qk``, ``w``, ``qg`` in bf16),
+            for those stages' time once more. The gradients are the same bits.
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
@@ -159,6 +164,7 @@ class ChunkKDAConfig:
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     precision: str = "auto"
+    recompute: bool = False
     poison: bool = False
 
     def __post_init__(self) -> None:
@@ -180,6 +186,9 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
+        for name in ("recompute", "poison"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"ChunkKDAConfig.precision must be one of {_PRECISIONS}, got {self.precision!r}")
 
@@ -1081,12 +1090,13 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     return h, v_new, (ht if want_final else None)
 
 
-def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final, want_chunks):
-    """Returns ``(o, final state, chunk states, intermediates the backward needs)``.
+def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
+    """Stages 1-4, the chunk-parallel part of the forward: ``(G, rq, rk, Aqk, T, w, u, qg, kd, gl)``.
 
-    With ``meta.lean`` (no backward to follow) every intermediate that is only a product operand lives in
-    bf16: half the bytes, and the forward's products round their operands to bf16 or tf32 anyway. Otherwise
-    ``Aqk``, ``T``, ``w``, ``u`` and ``kd`` stay fp32 for the backward's split products."""
+    With ``meta.lean`` (no backward to follow) every intermediate that is only a product operand is bf16:
+    half the bytes, and the forward's products round their operands to bf16 or tf32 anyway. Otherwise
+    ``u`` and ``kd`` stay fp32 (see the module notes). The backward calls this again when
+    ``ChunkKDAConfig.recompute`` kept only the inputs: same kernels, same inputs, the same bits."""
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
@@ -1126,18 +1136,30 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
         H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec_intra, EMU=meta.emu, **launch,
     )  # fmt: skip
+    return G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl
+
+
+def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final, want_chunks):
+    """Returns ``(o, final state, chunk states, intermediates the backward needs)``."""
+    _, H, K = q.shape
+    V = v.shape[-1]
+    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
+    NT, N = layout.n_tokens, layout.n_chunks
+    half = torch.bfloat16 if meta.prec_fwd != 2 else torch.float32
+    inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
+    _, _, _, Aqk, _, w, u, qg, kd, gl = inter
     h, v_new, ht = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=f32 if want_chunks else half,
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.float32 if want_chunks else half,
         v_new_dtype=half, want_final=want_final,
     )  # fmt: skip
-    o = _alloc((NT, H, V), v.dtype, dev, poison)
+    o = _alloc((NT, H, V), v.dtype, dev, cfg.poison)
     nv = triton.cdiv(V, cfg.block_v)
     _fwd_out_kernel[(N * H * nv,)](
         qg, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len,
         H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, NV=nv, P=meta.prec_fwd, EMU=meta.emu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return o, ht, h, (G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl)
+    return o, ht, h, inter
 
 
 def _backward(do, dht, saved, layout, meta):
@@ -1153,7 +1175,7 @@ def _backward(do, dht, saved, layout, meta):
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.bfloat16 if meta.prec_fwd != 2 else f32, v_new_dtype=f32, want_final=False
+        kd, gl, w, u, h0, layout, meta, P=meta.prec, h_dtype=f32, v_new_dtype=f32, want_final=False
     )
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
@@ -1242,7 +1264,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             return_chunk_states,
         )
         if not meta.lean:
-            ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *inter)
+            kept = () if meta.cfg.recompute else inter
+            ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *kept)
         ctx.layout, ctx.meta = layout, meta
         chunk_states = h if return_chunk_states else None
         if chunk_states is not None:
@@ -1253,6 +1276,8 @@ class ChunkKDAFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht, _dchunks):
         saved = ctx.saved_tensors
+        if ctx.meta.cfg.recompute:
+            saved = (*saved, *_intermediates(*saved[:7], ctx.layout, ctx.meta))
         grads = _backward(
             do.contiguous(), None if dht is None else dht.contiguous(), saved, ctx.layout, ctx.meta
         )
