@@ -51,11 +51,12 @@ Design decisions
   ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
   all tokens. Without autograd (inference, prefill) the product operands that cross kernels (``A_qk``,
   ``w``, ``u``, ``qg``, ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round
-  them to bf16 or tf32 anyway. When a backward follows, ``A_qk``, ``w`` and ``qg`` are bf16 too, while
-  ``u``, ``kd``, ``T``, ``v_new`` and the recomputed states stay fp32 and the states are recomputed with
-  tf32 products: rounding ``u`` (in ``v_new = u - w S``, which cancels) or ``v_new`` raised ``dA_log``'s
-  error five-fold in the CPU tests, rounding ``kd`` raised ``dv``'s and ``dbeta``'s, and bf16 states or
-  bf16 products in the recomputation pushed ``dA_log`` past the tolerance in about one varlen test in 40.
+  them to bf16 or tf32 anyway. When a backward follows they are fp32 and the states are recomputed with
+  tf32 products: ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all tokens that largely cancel, so a
+  rounding anywhere upstream shows up there first. Measured with the CPU tests' fresh inputs: bf16 ``u`` or
+  ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd`` raised ``dv``'s and ``dbeta``'s, bf16 states or
+  bf16 products in the recomputation pushed ``dA_log`` past the tolerance in about one varlen test in 40,
+  and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile test in 30.
   With an fp32 input every product is exact fp32 (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
@@ -1094,27 +1095,25 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     """Stages 1-4, the chunk-parallel part of the forward: ``(G, rq, rk, Aqk, T, w, u, qg, kd, gl)``.
 
     With ``meta.lean`` (no backward to follow) every intermediate that is only a product operand is bf16:
-    half the bytes, and the forward's products round their operands to bf16 or tf32 anyway. Otherwise
-    ``u`` and ``kd`` stay fp32 (see the module notes). The backward calls this again when
+    half the bytes, and the forward's products round their operands to bf16 or tf32 anyway. Otherwise they
+    are fp32 (see the module notes). The backward calls this again when
     ``ChunkKDAConfig.recompute`` kept only the inputs: same kernels, same inputs, the same bits."""
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
     NT, N = layout.n_tokens, layout.n_chunks
     f32, poison = torch.float32, cfg.poison
-    # bf16 for product operands whose rounding the tests' error budget absorbs also in training (A_qk, w, qg);
-    # u and kd stay fp32 when a backward follows (u - w S cancels; kd feeds dv_new = dv + kd dS)
     half = torch.bfloat16 if meta.prec_fwd != 2 else f32
-    inter = half if meta.lean else f32
+    inter = half if meta.lean else f32  # see the module notes: fp32 when a backward follows
     G = _alloc((NT, H, K), f32, dev, poison)
     gl = _alloc((N, H, K), f32, dev, poison)
     rq = _alloc((NT, H), f32, dev, poison)
     rk = _alloc((NT, H), f32, dev, poison)
-    Aqk = _alloc((NT, H, BT), half, dev, poison)
+    Aqk = _alloc((NT, H, BT), inter, dev, poison)
     Tkk = _alloc((NT, H, BT), f32, dev, poison)  # also the in-place scratch of the inverse
-    w = _alloc((NT, H, K), half, dev, poison)
+    w = _alloc((NT, H, K), inter, dev, poison)
     u = _alloc((NT, H, V), inter, dev, poison)
-    qg = _alloc((NT, H, K), half, dev, poison)
+    qg = _alloc((NT, H, K), inter, dev, poison)
     kd = _alloc((NT, H, K), inter, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _fwd_gate_kernel[(N * H,)](
