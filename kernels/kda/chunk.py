@@ -161,7 +161,7 @@ class ChunkKDAConfig:
     bwd_state_num_stages: int = 1
     bwd_block_k: int = 64
     bwd_block_v: int = 64
-    bwd_num_warps: int = 8
+    bwd_num_warps: int = 4
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     precision: str = "auto"
@@ -1036,14 +1036,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def _state_block_v(block_v: int, pairs: int, V: int, device: torch.device) -> int:
-    """V tile of a state kernel: ``block_v``, halved (down to 16) while fewer than half the SMs would get a
-    program. The state kernels run one program per (sequence, head, V tile) and loop over chunks, so with
-    few long sequences the V tiles are the only parallelism (at 32 (sequence, head) pairs on an H200, 32-wide
-    tiles made forward + backward 7 % faster than 64-wide ones; at 64 pairs 64-wide tiles were faster)."""
+def _state_launch(block_v: int, num_warps: int, pairs: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(V tile, warps) of a state kernel: ``block_v``, halved (down to 16) while fewer than half the SMs would
+    get a program, and at most 4 warps on 16-wide tiles.
+
+    The state kernels run one program per (sequence, head, V tile) and loop over chunks, so with few long
+    sequences the V tiles are the only parallelism (at 32 (sequence, head) pairs on an H200, 32-wide tiles made
+    forward + backward 7 % faster than 64-wide ones; at 64 pairs 64-wide tiles were faster). The warp cap is a
+    workaround: Triton 3.6 builds tf32 products on ``[*, 16]`` tiles at 8 warps into code that makes an illegal
+    memory access on an H200 (both state kernels, one sequence of 128 or 160 tokens and two heads); the
+    same launches at 4 warps, or with exact fp32 products, run correctly."""
     while block_v > 16 and 2 * pairs * triton.cdiv(V, block_v) < _sm_count(device):
         block_v //= 2
-    return block_v
+    return block_v, (min(num_warps, 4) if block_v <= 16 else num_warps)
 
 
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
@@ -1079,14 +1084,14 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
     fp32 = kd.dtype == torch.float32
-    BV = _state_block_v(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v, layout.n_seqs * H, V, dev)
+    BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
+                                  cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
-        num_warps=cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps,
-        num_stages=cfg.state_num_stages_fp32 if fp32 else cfg.state_num_stages,
+        num_warps=num_warps, num_stages=cfg.state_num_stages_fp32 if fp32 else cfg.state_num_stages,
     )  # fmt: skip
     return h, v_new, (ht if want_final else None)
 
@@ -1186,12 +1191,12 @@ def _backward(do, dht, saved, layout, meta):
     dh = _alloc((N, H, K, V), f32, dev, poison)
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
-    BV = _state_block_v(cfg.bwd_state_block_v, layout.n_seqs * H, V, dev)
+    BV, num_warps = _state_launch(cfg.bwd_state_block_v, cfg.bwd_state_num_warps, layout.n_seqs * H, V, dev)
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_state_num_warps, num_stages=cfg.bwd_state_num_stages,
+        P=meta.prec, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, Aqk
 

@@ -278,17 +278,18 @@ def test_config_fields_are_validated(field, value, message):
 
 def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch):
     # One program per (sequence, head, V tile): the widest tile when that fills at least half of 132 SMs,
-    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count).
+    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count). 16-wide tiles get at most 4 warps
+    # (Triton 3.6's tf32 products on them at 8 warps made illegal memory accesses on an H200).
     import k3.kernels.kda.chunk as chunk_module
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 132)
-    assert chunk_module._state_block_v(64, 64, 128, cpu) == 64  # 2 x 32 heads: 128 programs
-    assert chunk_module._state_block_v(64, 32, 128, cpu) == 32  # 1 x 32 heads: 64 -> 128 programs
-    assert chunk_module._state_block_v(64, 2, 128, cpu) == 16
-    assert chunk_module._state_block_v(16, 1, 128, cpu) == 16
+    assert chunk_module._state_launch(64, 8, 64, 128, cpu) == (64, 8)  # 2 x 32 heads: 128 programs
+    assert chunk_module._state_launch(64, 8, 32, 128, cpu) == (32, 8)  # 1 x 32 heads: 64 -> 128 programs
+    assert chunk_module._state_launch(64, 8, 2, 128, cpu) == (16, 4)
+    assert chunk_module._state_launch(16, 2, 1, 128, cpu) == (16, 2)
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 0)
-    assert chunk_module._state_block_v(64, 1, 128, cpu) == 64
+    assert chunk_module._state_launch(64, 8, 1, 128, cpu) == (64, 8)
 
 
 def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients():

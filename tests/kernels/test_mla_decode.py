@@ -150,3 +150,31 @@ def test_rejects_bad_inputs():
         mla_decode_attention(q_latent, q_extra, kv_cache, block_table, seq_lens, max_seq_len=49)
     with pytest.raises(ValueError, match="MLAConfig.block_n must be a power of two >= 16"):
         MLAConfig(block_n=8)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("Tq,block_n", [(1, 16), (4, 16), (4, 32)])
+def test_tensor_descriptor_loads_match_reference(Tq, block_n):
+    """MLAConfig(tma=True): the mask-free tiles come through tensor descriptors, the masked tail through
+    pointers; a cache row past a sequence's end is poisoned, so a descriptor box that strayed into it shows."""
+    heads = 8
+    q_latent, q_extra, kv_cache, block_table, seq_lens = _paged_problem(
+        fresh_generator(), torch.bfloat16, Tq, lengths=(7, 45, 33), page=32, heads=heads)
+    last = block_table[0, 0]
+    kv_cache[last, 7:] = float("nan")  # rows of sequence 0's only page after its 7 tokens
+    out = poisoned_empty(B, Tq, heads, R, dtype=torch.bfloat16)
+    config = MLAConfig(block_n=block_n, num_splits=2, tma=True)
+    o = mla_decode_attention(q_latent, q_extra, kv_cache, block_table, seq_lens, out=out, config=config)
+    ref = mla_decode_attention_reference(q_latent.float(), q_extra.float(), kv_cache.float(), block_table, seq_lens)
+    assert_close(o, ref, torch.bfloat16)
+
+
+def test_tensor_descriptor_loads_refused_where_the_layout_forbids_them():
+    q_latent, q_extra, kv_cache, block_table, seq_lens = _paged_problem(fresh_generator(), torch.float32, 1)
+    with pytest.raises(ValueError, match=r"tma=True\) needs a 16-bit cache"):
+        mla_decode_attention(q_latent, q_extra, kv_cache, block_table, seq_lens, config=MLAConfig(tma=True))
+    bf = (q_latent.bfloat16(), q_extra.bfloat16(), kv_cache.bfloat16())
+    with pytest.raises(ValueError, match="page_size a multiple of block_n"):  # pages of 8 rows, tiles of 16
+        mla_decode_attention(*bf, block_table, seq_lens, config=MLAConfig(block_n=16, tma=True))
+    with pytest.raises(ValueError, match="MLAConfig.tma must be"):
+        MLAConfig(tma=1)
