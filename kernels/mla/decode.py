@@ -268,7 +268,7 @@ def tma_unsupported(kv_cache: Tensor, R: int, E: int, block_n: int) -> str | Non
     A descriptor sees the cache as one ``[num_pages * page_size, R + e]`` matrix, so pages must be evenly
     spaced rows of it; its boxes are a tile's rows by one latent half (or the ``e`` extra values), at most
     256 wide, and its row stride must be a multiple of 16 bytes."""
-    num_pages, page, width = kv_cache.shape
+    num_pages, page = kv_cache.shape[:2]
     if kv_cache.dtype not in (torch.bfloat16, torch.float16):
         return f"a 16-bit cache (got {kv_cache.dtype})"
     if 2 * _half_width(R) != R or R > 512 or triton.next_power_of_2(E) != E or not 16 <= E <= 256:
@@ -285,6 +285,7 @@ def tma_unsupported(kv_cache: Tensor, R: int, E: int, block_n: int) -> str | Non
 
 
 def _descriptors(kv_cache: Tensor, R: int, E: int, block_n: int):
+    """The split kernel's two descriptors over the cache as one matrix: latent halves, extra values."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = kv_cache.shape[0] * kv_cache.shape[1]
