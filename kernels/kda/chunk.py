@@ -115,7 +115,7 @@ class ChunkKDAConfig:
         state_block_v_fp32: V tile of the forward state kernel when ``kd`` and ``u`` are fp32 (the
             training forward and the backward's recomputation of the states). The three state V tiles
             are the widest used: with few (sequence, head) pairs they are halved until at least half the
-            GPU's SMs get a program.
+            GPU's SMs get a program, and tiles of 32 or less run on at most 4 warps.
         state_num_warps_fp32: warps per program of that kernel.
         state_num_stages_fp32: pipelining depth of its loop over chunks.
         bwd_state_block_v: V tile of the backward state kernel (reverse recurrence of ``dS``).
@@ -1038,17 +1038,18 @@ def _sm_count(device: torch.device) -> int:
 
 def _state_launch(block_v: int, num_warps: int, pairs: int, V: int, device: torch.device) -> tuple[int, int]:
     """(V tile, warps) of a state kernel: ``block_v``, halved (down to 16) while fewer than half the SMs would
-    get a program, and at most 4 warps on 16-wide tiles.
+    get a program, and at most 4 warps on tiles 32 wide or narrower.
 
     The state kernels run one program per (sequence, head, V tile) and loop over chunks, so with few long
     sequences the V tiles are the only parallelism (at 32 (sequence, head) pairs on an H200, 32-wide tiles made
-    forward + backward 7 % faster than 64-wide ones; at 64 pairs 64-wide tiles were faster). The warp cap is a
-    workaround: Triton 3.6 builds tf32 products on ``[*, 16]`` tiles at 8 warps into code that makes an illegal
-    memory access on an H200 (both state kernels, one sequence of 128 or 160 tokens and two heads); the
-    same launches at 4 warps, or with exact fp32 products, run correctly."""
+    forward + backward 7 % faster than 64-wide ones; at 64 pairs 64-wide tiles were faster). On 32-wide tiles
+    4 warps beat 8 (one sequence of 32768 tokens, 32 heads: forward + backward 25.79 -> 25.27 ms). On 16-wide
+    tiles the cap is also a workaround: Triton 3.6 builds tf32 products on ``[*, 16]`` tiles at 8 warps into
+    code that makes an illegal memory access on an H200 (both state kernels, one sequence of 128 or 160 tokens
+    and two heads); the same launches at 4 warps, or with exact fp32 products, run correctly."""
     while block_v > 16 and 2 * pairs * triton.cdiv(V, block_v) < _sm_count(device):
         block_v //= 2
-    return block_v, (min(num_warps, 4) if block_v <= 16 else num_warps)
+    return block_v, (min(num_warps, 4) if block_v <= 32 else num_warps)
 
 
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:

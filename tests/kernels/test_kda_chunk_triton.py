@@ -278,14 +278,14 @@ def test_config_fields_are_validated(field, value, message):
 
 def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch):
     # One program per (sequence, head, V tile): the widest tile when that fills at least half of 132 SMs,
-    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count). 16-wide tiles get at most 4 warps
-    # (Triton 3.6's tf32 products on them at 8 warps made illegal memory accesses on an H200).
+    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count). Tiles of 32 or less get at most 4
+    # warps (faster at 32; at 16, Triton 3.6's tf32 products at 8 warps made illegal memory accesses on an H200).
     import k3.kernels.kda.chunk as chunk_module
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 132)
     assert chunk_module._state_launch(64, 8, 64, 128, cpu) == (64, 8)  # 2 x 32 heads: 128 programs
-    assert chunk_module._state_launch(64, 8, 32, 128, cpu) == (32, 8)  # 1 x 32 heads: 64 -> 128 programs
+    assert chunk_module._state_launch(64, 8, 32, 128, cpu) == (32, 4)  # 1 x 32 heads: 64 -> 128 programs
     assert chunk_module._state_launch(64, 8, 2, 128, cpu) == (16, 4)
     assert chunk_module._state_launch(16, 2, 1, 128, cpu) == (16, 2)
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 0)
