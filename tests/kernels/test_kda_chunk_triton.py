@@ -292,6 +292,19 @@ def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch)
     assert chunk_module._state_launch(64, 8, 1, 128, cpu) == (64, 8)
 
 
+@pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
+def test_training_intermediates_are_fp16_only_where_bounded(flags):
+    # A_qk, w, qg, kd are bounded by 1 only with unit q, k and beta in (0, 1): then fp16, otherwise fp32.
+    inputs = _inputs(fresh_generator(), 1, 40, 1, torch.bfloat16)
+    leaves = _leaves(inputs)
+    o, _ = chunk_kda(*leaves[:7], lower_bound=LOWER_BOUND, **flags)
+    node = o.grad_fn
+    while not hasattr(node, "saved_tensors"):
+        node = node.next_functions[0][0]
+    fp16 = sum(t.dtype == torch.float16 for t in node.saved_tensors if t is not None)
+    assert fp16 == (0 if flags else 4)
+
+
 def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients():
     # The backward reruns the forward's chunk-parallel stages on the saved inputs: same kernels, same inputs,
     # so the gradients must be bit-identical to the ones computed from the kept intermediates.
