@@ -295,13 +295,14 @@ def _descriptors(kv_cache: Tensor, R: int, E: int, block_n: int):
 
 
 def _use_tma(config: MLAConfig, kv_cache: Tensor, R: int, E: int, block_m: int) -> bool:
+    if config.tma is False:
+        return False
     why = tma_unsupported(kv_cache, R, E, config.block_n)
-    if config.tma is None:
-        return (why is None and block_m >= 64 and kv_cache.is_cuda
-                and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9)
-    if config.tma and why is not None:
-        raise ValueError(f"MLAConfig(tma=True) needs {why}")
-    return config.tma
+    if config.tma:
+        if why is not None:
+            raise ValueError(f"MLAConfig(tma=True) needs {why}")
+        return True
+    return why is None and block_m >= 64 and kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
 
 
 def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device: torch.device,
