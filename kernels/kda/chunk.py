@@ -114,16 +114,18 @@ class ChunkKDAConfig:
             fp32 state in registers (power of two >= 16).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
-        state_block_v_fp32: V tile of the forward state kernel when ``kd`` and ``u`` are fp32 (the
-            training forward and the backward's recomputation of the states). The three state V tiles
+        state_block_v_fp32: V tile of the forward state kernel when ``u`` and the states are fp32 (a
+            backward follows: the training forward and the backward's recomputation of the states; or the
+            inputs are fp32). The three state V tiles
             are the widest used: with few (sequence, head) pairs they are halved until at least half the
             GPU's SMs get a program, and tiles of 32 or less run on at most 4 warps.
         state_num_warps_fp32: warps per program of that kernel.
         state_num_stages_fp32: pipelining depth of its loop over chunks.
         bwd_state_block_v: V tile of the backward state kernel (reverse recurrence of ``dS``).
         bwd_state_num_warps: warps per program of that kernel.
-        bwd_state_num_stages: pipelining depth of its loop; each stage holds one chunk's ``kd`` (fp32),
-            ``qg`` and ``w`` (bf16) tiles, about 60 KB at K = 128, in shared memory (227 KB on an H200).
+        bwd_state_num_stages: pipelining depth of its loop; each stage holds one chunk's ``kd``, ``qg``
+            and ``w`` tiles (fp16, fp32 without the in-kernel norm and sigmoid) in shared memory (227 KB on an
+            H200).
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile).
         bwd_block_v: V tile of the backward chunk-parallel kernels.
         bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the two below).
@@ -155,14 +157,14 @@ class ChunkKDAConfig:
     state_block_v: int = 32
     state_num_warps: int = 4
     state_num_stages: int = 2
-    state_block_v_fp32: int = 64
-    state_num_warps_fp32: int = 8
+    state_block_v_fp32: int = 32
+    state_num_warps_fp32: int = 4
     state_num_stages_fp32: int = 2
-    bwd_state_block_v: int = 64
-    bwd_state_num_warps: int = 8
+    bwd_state_block_v: int = 32
+    bwd_state_num_warps: int = 4
     bwd_state_num_stages: int = 1
     bwd_block_k: int = 64
-    bwd_block_v: int = 64
+    bwd_block_v: int = 32
     bwd_num_warps: int = 4
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
@@ -527,11 +529,13 @@ def _fwd_wy_kernel(
         qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (iq * scale)[:, None]
         tl.store(qg + off, _out(qf * eg, qg, EMU), mask=m2)
     else:
-        c = (part - NKT) * BV + tl.arange(0, BV)
-        m2 = valid[:, None] & (c < V)[None, :]
-        off = row[:, None] * V + c[None, :]
-        x = tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * beta_f[:, None]
-        tl.store(u + off, _out(_dot(Tm, x, P, EMU), u, EMU), mask=m2)
+        # names of their own: Triton needs a name bound in both branches to have one type, and the K and
+        # V tiles differ in shape when block_k != block_v
+        cv = (part - NKT) * BV + tl.arange(0, BV)
+        m2v = valid[:, None] & (cv < V)[None, :]
+        offv = row[:, None] * V + cv[None, :]
+        x = tl.load(v + offv, mask=m2v, other=0.0).to(tl.float32) * beta_f[:, None]
+        tl.store(u + offv, _out(_dot(Tm, x, P, EMU), u, EMU), mask=m2v)
 
 
 @triton.jit
@@ -1102,7 +1106,7 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison)
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
-    fp32 = kd.dtype == torch.float32
+    fp32 = u.dtype == torch.float32
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
