@@ -70,6 +70,12 @@ class Consumer(Protocol):
         """Makes the next ``poll`` start at the first record of every subscribed partition."""
         ...
 
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        """Partition -> offset of the first record of ``topic`` published at or after ``timestamp_ms`` (ms
+        since the Unix epoch), or the partition's end offset when there is none. Only a query: combine it
+        with ``seek`` to start reading there."""
+        ...
+
     def close(self) -> None:
         """Leaves the group without committing; uncommitted records will be delivered again."""
         ...
@@ -146,6 +152,12 @@ def validate_poll(timeout_s: object, max_records: object) -> None:
         raise ValueError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
     if not isinstance(max_records, int) or isinstance(max_records, bool) or max_records < 1:
         raise ValueError(f"max_records must be an int >= 1, got {max_records!r}")
+
+
+def validate_timestamp(timestamp_ms: object) -> int:
+    if not isinstance(timestamp_ms, int) or isinstance(timestamp_ms, bool) or timestamp_ms < 0:
+        raise ValueError(f"timestamp_ms must be an int >= 0 (ms since the Unix epoch), got {timestamp_ms!r}")
+    return timestamp_ms
 
 
 def validate_position(partition: object, offset: object) -> None:

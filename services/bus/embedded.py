@@ -40,6 +40,7 @@ from k3.services.bus.api import (
     validate_payload,
     validate_poll,
     validate_position,
+    validate_timestamp,
     validate_topic,
     validate_topics,
 )
@@ -129,6 +130,19 @@ class TopicLog:
             positions = self._positions[offset : offset + max_records]
         # Frames before the known end are immutable, so they are read without holding any lock.
         return [(offset + i, segment.read_frame(self._fd, pos)) for i, pos in enumerate(positions)]
+
+    def offset_for_time(self, timestamp_ms: int) -> int:
+        """Offset of the first frame published at or after ``timestamp_ms``; the end offset if none is.
+
+        A linear scan of the frame headers (timestamps are the publishers' clocks, so they need not be
+        monotonic and a binary search could miss a frame), reading 12 bytes per frame."""
+        self.refresh()
+        with self._lock:
+            positions = list(self._positions)
+        for offset, pos in enumerate(positions):
+            if segment.read_timestamp(self._fd, pos) >= timestamp_ms:
+                return offset
+        return len(positions)
 
     def close(self) -> None:
         with self._lock:
@@ -298,6 +312,12 @@ class EmbeddedConsumer:
                 assignment.position = 0
             else:
                 assignment.pending_seek = 0
+
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        self._check_open()
+        validate_timestamp(timestamp_ms)
+        self._assignment(topic)  # only subscribed topics, as on Kafka
+        return {0: self._logs[topic].offset_for_time(timestamp_ms)}
 
     def close(self) -> None:
         if self._closed:

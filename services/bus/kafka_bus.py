@@ -37,6 +37,7 @@ from k3.services.bus.api import (
     validate_payload,
     validate_poll,
     validate_position,
+    validate_timestamp,
     validate_topic,
     validate_topics,
 )
@@ -300,6 +301,22 @@ class KafkaBusConsumer:
             self._consumer.seek_to_beginning(*assigned)
         else:
             self._pending_beginning = True
+
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        self._check_open()
+        validate_timestamp(timestamp_ms)
+        if topic not in self._topics:
+            raise ValueError(f"topic {topic!r} is not subscribed by this consumer ({self._topics})")
+        partitions = self._consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise BusUnavailable(f"no partition metadata for topic {topic!r} from Kafka yet")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        try:
+            found = self._consumer.offsets_for_times({tp: timestamp_ms for tp in tps})
+            ends = self._consumer.end_offsets(tps)
+        except KafkaTimeoutError as exc:
+            raise BusUnavailable(f"Kafka did not answer the offsets of {topic!r} at {timestamp_ms} ms: {exc}") from exc
+        return {tp.partition: (ends[tp] if found.get(tp) is None else found[tp].offset) for tp in tps}
 
     def close(self) -> None:
         if self._closed:

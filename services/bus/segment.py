@@ -97,6 +97,11 @@ def _crc_of(fd: int, pos: int, length: int) -> int:
     return crc
 
 
+def read_timestamp(fd: int, pos: int) -> int:
+    """The publish time of the frame at ``pos``, without reading its key or value."""
+    return _BODY.unpack(os.pread(fd, _BODY.size, pos + _FRAME.size))[0]
+
+
 def read_frame(fd: int, pos: int) -> Frame:
     length, _ = _FRAME.unpack(os.pread(fd, _FRAME.size, pos))
     return decode(os.pread(fd, _FRAME.size + length, pos))

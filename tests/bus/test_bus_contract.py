@@ -157,6 +157,41 @@ def test_seek_to_beginning_replays_committed_records(bus, topic, group, drain):
     assert values(drain(fresh, 4)) == [b"0", b"1", b"2", b"3"]
 
 
+def _now_ms_between_publishes() -> int:
+    """A time strictly after every record published so far and before every one published next."""
+    time.sleep(0.05)
+    now = int(time.time() * 1000)
+    time.sleep(0.05)
+    return now
+
+
+def test_offsets_for_time_find_the_first_record_at_or_after_it(bus, topic, group, drain):
+    consumer = bus.subscribe([topic], group)
+    assert set(consumer.offsets_for_time(topic, 0).values()) == {0}  # empty topic: its end
+    for i in range(3):
+        bus.publish(topic, b"old%d" % i, key=b"k")
+    cut = _now_ms_between_publishes()
+    for i in range(2):
+        bus.publish(topic, b"new%d" % i, key=b"k")
+    after_all = _now_ms_between_publishes()
+
+    assert sum(consumer.offsets_for_time(topic, 0).values()) == 0
+    at_cut = consumer.offsets_for_time(topic, cut)
+    assert sum(at_cut.values()) == 3  # one key, one partition: offset 3 there, the others empty
+    at_end = consumer.offsets_for_time(topic, after_all)
+    assert sum(at_end.values()) == 5  # nothing that late: every partition's end
+
+    for partition, offset in at_cut.items():
+        consumer.seek(topic, partition, offset)
+    assert values(drain(consumer, 2)) == [b"new0", b"new1"]
+    late = bus.subscribe([topic], f"{group}-late")
+    for partition, offset in at_end.items():
+        late.seek(topic, partition, offset)
+    assert late.poll(timeout_s=0.5) == []
+    bus.publish(topic, b"later", key=b"k")
+    assert values(drain(late, 1)) == [b"later"]
+
+
 def test_poll_waits_for_a_record_published_meanwhile(bus, topic, group, drain):
     bus.publish(topic, b"first", key=b"k")
     consumer = bus.subscribe([topic], group)
@@ -261,13 +296,19 @@ def test_bad_poll_and_seek_arguments_are_rejected(bus, topic, group):
         consumer.seek("elsewhere", 0, 0)
     with pytest.raises(ValueError, match="got partition 99"):
         consumer.seek(topic, 99, 0)
+    for bad in (-1, 1.5, True, "0"):
+        with pytest.raises(ValueError, match="timestamp_ms must be an int >= 0"):
+            consumer.offsets_for_time(topic, bad)
+    with pytest.raises(ValueError, match="topic 'elsewhere' is not subscribed by this consumer"):
+        consumer.offsets_for_time("elsewhere", 0)
 
 
 def test_a_closed_consumer_refuses_work(bus, topic, group):
     consumer = bus.subscribe([topic], group)
     consumer.close()
     consumer.close()  # idempotent
-    for call in (lambda: consumer.poll(0.1), consumer.commit, consumer.seek_to_beginning):
+    for call in (lambda: consumer.poll(0.1), consumer.commit, consumer.seek_to_beginning,
+                 lambda: consumer.offsets_for_time(topic, 0)):
         with pytest.raises(RuntimeError, match=f"consumer of group '{group}' is closed"):
             call()
 
