@@ -105,6 +105,9 @@ class ChunkKDAConfig:
 
     Fields:
         block_k: K tile of the forward chunk-parallel kernels (power of two >= 16).
+        gate_block_k: K tile of the gate kernel (the gate, its cumulative sum ``G`` and the q/k row norms),
+            which only streams rows: 32 took it from 0.35 to 0.29 ms at 2·8192·32·128 on an H200, where the
+            other kernels are faster at 64 (docs/BENCHMARKS.md).
         block_v: V tile of the forward chunk-parallel kernels (power of two >= 16).
         num_warps: warps per program of the forward chunk-parallel kernels.
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
@@ -114,6 +117,10 @@ class ChunkKDAConfig:
             fp32 state in registers (power of two >= 16).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
+        state_num_stages_few_programs: the same when the kernel has fewer programs than the GPU has SMs (a few
+            long sequences): each program then has an SM to itself, and only a deeper pipeline hides its
+            loads' latency (one sequence of 32768 tokens, 32 heads: 1.07 -> 0.86 ms at 3 stages; with more
+            programs than SMs 3 stages were slower than 2).
         state_block_v_fp32: V tile of the forward state kernel when ``u`` and the states are fp32 (a
             backward follows: the training forward and the backward's recomputation of the states; or the
             inputs are fp32). The three state V tiles
@@ -151,12 +158,14 @@ class ChunkKDAConfig:
     """
 
     block_k: int = 64
+    gate_block_k: int = 32
     block_v: int = 64
     num_warps: int = 4
     num_stages: int = 2
     state_block_v: int = 32
     state_num_warps: int = 4
     state_num_stages: int = 2
+    state_num_stages_few_programs: int = 3
     state_block_v_fp32: int = 32
     state_num_warps_fp32: int = 4
     state_num_stages_fp32: int = 2
@@ -174,13 +183,16 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v",
-            "bwd_intra_block_k",
+            "block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v",
+            "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("num_stages", "state_num_stages", "state_num_stages_fp32", "bwd_state_num_stages"):
+        for name in (
+            "num_stages", "state_num_stages", "state_num_stages_few_programs", "state_num_stages_fp32",
+            "bwd_state_num_stages",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
@@ -1058,6 +1070,16 @@ def _state_launch(block_v: int, num_warps: int, pairs: int, V: int, device: torc
     return block_v, (min(num_warps, 4) if block_v <= 32 else num_warps)
 
 
+def _forward_state_stages(cfg: ChunkKDAConfig, fp32: bool, programs: int, device: torch.device) -> int:
+    """Pipelining depth of the forward state kernel: ``state_num_stages_fp32`` with fp32 operands, else
+    ``state_num_stages_few_programs`` when fewer programs than SMs run, else ``state_num_stages``."""
+    if fp32:
+        return cfg.state_num_stages_fp32
+    if programs < _sm_count(device):
+        return cfg.state_num_stages_few_programs
+    return cfg.state_num_stages
+
+
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
     if poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -1109,12 +1131,13 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     fp32 = u.dtype == torch.float32
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
+    num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
     _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
-        num_warps=num_warps, num_stages=cfg.state_num_stages_fp32 if fp32 else cfg.state_num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return h, v_new, (ht if want_final else None)
 
@@ -1148,7 +1171,7 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _fwd_gate_kernel[(N * H,)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.block_k, L2NORM=meta.l2norm, **launch,
+        H=H, K=K, BT=BT, BK=cfg.gate_block_k, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
     _fwd_intra_kernel[(N * H * (BT // _SUB),)](
         q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,

@@ -117,8 +117,8 @@ def test_varlen_forward_backward_states(dtype):
     "tiles",
     [
         dict(
-            block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16, state_block_v=16,
-            state_block_v_fp32=16, bwd_state_block_v=16,
+            block_k=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16,
+            state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16,
         ),
         dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32),  # the two backward K tilings differ
     ],
@@ -267,6 +267,8 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("bwd_intra_num_warps", 6, r"ChunkKDAConfig.bwd_intra_num_warps must be one of 1, 2, 4, 8, 16, got 6"),
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("state_num_stages", 0, r"ChunkKDAConfig.state_num_stages must be an int from 1 to 4, got 0"),
+        ("state_num_stages_few_programs", 5, r"ChunkKDAConfig.state_num_stages_few_programs must be an int from 1 to 4"),
+        ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
@@ -290,6 +292,16 @@ def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch)
     assert chunk_module._state_launch(16, 2, 1, 128, cpu) == (16, 2)
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 0)
     assert chunk_module._state_launch(64, 8, 1, 128, cpu) == (64, 8)
+
+
+def test_inference_state_kernel_pipelines_deeper_when_programs_are_fewer_than_sms(monkeypatch):
+    import k3.kernels.kda.chunk as chunk_module
+
+    cpu, cfg = torch.device("cpu"), ChunkKDAConfig(state_num_stages=2, state_num_stages_few_programs=3)
+    monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 132)
+    assert chunk_module._forward_state_stages(cfg, False, 128, cpu) == 3  # one sequence, 32 heads, 4 V tiles
+    assert chunk_module._forward_state_stages(cfg, False, 256, cpu) == 2  # two sequences
+    assert chunk_module._forward_state_stages(cfg, True, 128, cpu) == cfg.state_num_stages_fp32  # training
 
 
 @pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
