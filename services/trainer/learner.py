@@ -21,6 +21,10 @@ One ``Learner.step()``:
    offset to resume reading from, the ledger) is written atomically; only then is the new version announced
    on ``k3.weights`` (its path is the checkpoint's ``model.safetensors``) and the consumer's offsets committed.
 
+Where a new learner starts: ``LearnerConfig.read_from_ms`` (RL jobs set it to when their learner starts, less
+a minute of clock skew; workers start after it) skips the records other jobs published to the shared topic
+before this job existed.
+
 Idempotency: a restarted learner loads its latest checkpoint, seeks every partition to the checkpoint's resume
 offset (the first record not yet learned from; groups still incomplete at the checkpoint are read again) and skips every
 id in the checkpoint's learned set. Updates made after the last checkpoint died with the process and their
@@ -88,6 +92,12 @@ class LearnerConfig:
     """``"domain/effort"`` (effort may be ``*``) -> checkpoint of the teacher for on-policy distillation."""
     distill_coef: float = 0.0
     """Weight of the per-token reverse-KL advantage (0: no distillation)."""
+    read_from_ms: int | None = None
+    """Where a learner without a checkpoint starts reading ``k3.trajectories``: at the first record published
+    at or after this time (ms since the Unix epoch), found per partition with ``offsets_for_time``. The topic is
+    shared by every job, so a new job's learner would otherwise read (and skip) the whole history of the jobs
+    before it. None: from the beginning of the topic. A learner with a checkpoint resumes at the checkpoint's
+    offsets either way."""
 
 
 class Learner:
@@ -119,6 +129,8 @@ class Learner:
         self._consumer = bus.subscribe([TRAJECTORIES_TOPIC], group=f"learner-{config.job_id}")
         latest = ckpt.latest_checkpoint(self.run_dir)
         if latest is None:
+            if config.read_from_ms is not None:
+                self._start_at_time(config.read_from_ms)
             self._checkpoint_and_publish()  # version 0: the starting weights, so workers know where they are
         else:
             self._restore(latest)
@@ -135,6 +147,15 @@ class Learner:
         for partition, offset in self._next_offset.items():
             self._consumer.seek(TRAJECTORIES_TOPIC, partition, offset)
         log.info("learner resumed at version %d from %s (offsets %s)", self.version, path, self._next_offset)
+
+    def _start_at_time(self, timestamp_ms: int) -> None:
+        """Seeks every partition to its first record published at or after ``timestamp_ms``; the version-0
+        checkpoint records these positions, so a learner restarted from it does not rescan the topic either."""
+        self._next_offset = self._consumer.offsets_for_time(TRAJECTORIES_TOPIC, timestamp_ms)
+        for partition, offset in self._next_offset.items():
+            self._consumer.seek(TRAJECTORIES_TOPIC, partition, offset)
+        log.info("learner starts reading %s at offsets %s (records published from %d ms)", TRAJECTORIES_TOPIC,
+                 self._next_offset, timestamp_ms)
 
     def _resume_offsets(self) -> dict[str, int]:
         """Per partition, the first record not yet learned from (JSON keys are strings)."""

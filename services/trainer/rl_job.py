@@ -39,6 +39,10 @@ from k3.model.rl.effort import EFFORT_LEVELS, EffortBudgets
 
 log = logging.getLogger(__name__)
 
+# A new job's learner reads k3.trajectories from the records published since it started, less this much:
+# the job's workers start after the learner, but their machines' clocks stamp the records.
+_CLOCK_SKEW_MS = 60_000
+
 
 @dataclass
 class RLJobConfig:
@@ -307,7 +311,8 @@ class LearnerActor:
             groups_per_step=cfg.prompts_per_step, max_staleness=cfg.max_staleness, lr=cfg.lr, adamw_lr=cfg.adamw_lr,
             weight_decay=cfg.weight_decay, clip_eps=cfg.clip_eps, weight_cap=cfg.weight_cap,
             minibatches=cfg.minibatches, grad_clip=cfg.grad_clip, seed=cfg.seed, teachers=dict(cfg.teachers),
-            distill_coef=cfg.distill_coef), self.bus, model, model_config, tokenizer, meter=_meter(self.telemetry))
+            distill_coef=cfg.distill_coef, read_from_ms=int(time.time() * 1000) - _CLOCK_SKEW_MS),
+            self.bus, model, model_config, tokenizer, meter=_meter(self.telemetry))
         self.envs = {name: make_environment(name, tokenizer=tokenizer, budgets=cfg.budgets(), seed=cfg.seed)
                      for name in cfg.environments}
         self.eval_problems = _held_out(cfg, self.envs)

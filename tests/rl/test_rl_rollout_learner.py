@@ -149,10 +149,40 @@ def test_a_dead_workers_paused_trajectories_are_adopted_by_its_replacement(tmp_p
         bus.close()
 
 
-def _learner(bus, tmp_path, job, staleness=1):
+def _learner(bus, tmp_path, job, staleness=1, read_from_ms=None):
     model, cfg, tok = tiny_policy()
     return Learner(LearnerConfig(job_id=job, job_dir=str(tmp_path / "job"), group_size=2, groups_per_step=2,
-                                 max_staleness=staleness, lr=0.002), bus, model, cfg, tok)
+                                 max_staleness=staleness, lr=0.002, read_from_ms=read_from_ms), bus, model, cfg, tok)
+
+
+def test_a_new_jobs_learner_skips_what_older_jobs_published(tmp_path, bus_url):
+    job = _unique_job("fresh")
+    bus = open_bus(bus_url)
+    older_job = _unique_job("older")
+    for i in range(6):
+        bus.publish(TRAJECTORIES_TOPIC, rollout_pb2.Trajectory(id=f"{older_job}/{i}", job_id=older_job).SerializeToString())
+    time.sleep(0.05)
+    start_ms = int(time.time() * 1000)
+    time.sleep(0.05)
+    worker = _worker(bus, tmp_path, job)
+    learner = _learner(bus, tmp_path, job, read_from_ms=start_ms)
+    learner.close()  # dies right after its version-0 checkpoint: the restart must start at the same place
+    learner = _learner(bus, tmp_path, job, read_from_ms=start_ms)
+    control = _learner(bus, tmp_path / "control", _unique_job("control"))  # reads the topic from its beginning
+    try:
+        for _ in range(3):
+            worker.step()
+        assert learner.step(timeout_s=20) is not None
+        assert learner.counters["foreign"] == 0 and learner.counters["dead_lettered"] == 0
+        deadline = time.monotonic() + 30
+        while control.counters["foreign"] < 6 + 4 and time.monotonic() < deadline:
+            control.poll(0.5)
+        assert control.counters["foreign"] >= 6 + 4  # the older job's records and this job's first round
+    finally:
+        worker.close()
+        learner.close()
+        control.close()
+        bus.close()
 
 
 def test_learner_is_idempotent_across_a_restart_and_keeps_staleness_bounded(tmp_path, bus_url):
