@@ -340,3 +340,46 @@ def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients():
         assert torch.isfinite(a).all() and torch.equal(a, b), f"d{name} differs with recompute"
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
     assert saved_bytes[1] == input_bytes < saved_bytes[0]
+
+
+def test_the_benchmarks_error_measure_holds_our_kernels_and_catches_a_wrong_one():
+    # k3.kernels.bench checks our kernels and reports the peer's errors with kda_chunk_errors: all eight
+    # numbers (output and seven gradients) within tolerance for ours, and a kernel with another gate lower
+    # bound must show up in the output's error.
+    from k3.kernels.bench import KDA_GRAD_NAMES, _kda_inputs, kda_chunk_errors
+    from k3.kernels.dispatch import kda_chunk_raw_reference
+
+    inputs = _kda_inputs(1, 70, H, K, torch.device("cpu"), torch.bfloat16)
+    errors = kda_chunk_errors(lambda *x: chunk_kda(*x, lower_bound=LOWER_BOUND, config=POISON)[0], inputs)
+    assert list(errors) == ["o", *KDA_GRAD_NAMES]
+    assert all(e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
+    wrong = kda_chunk_errors(lambda *x: kda_chunk_raw_reference(*x, lower_bound=-2.0)[0], inputs)
+    assert wrong["o"] > 10 * TOLERANCE[torch.bfloat16]
+
+
+def test_the_benchmark_checks_ours_and_reports_the_peer_on_the_same_inputs(monkeypatch):
+    # The KDA-chunk section without its timings, on the CPU: our eight numbers become checks, the peer's are
+    # reported (a peer with fla's signature, here the torch reference), and a peer that raises is only reported.
+    from k3.kernels import bench as bench_module
+    from k3.kernels.dispatch import kda_chunk_raw_reference
+
+    def peer(q, k, v, g, beta, A_log, dt_bias, lower_bound, **flags):
+        assert flags == dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True)
+        return kda_chunk_raw_reference(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound)[0].to(q.dtype), None
+
+    def broken_peer(*args, **kwargs):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(bench_module, "_time_kda_chunk", lambda *args: None)
+    for fake, reported in ((peer, True), (broken_peer, False)):
+        monkeypatch.setattr(bench_module, "_fla", lambda fake=fake: (fake, None))
+        b = bench_module.Bench(quick=True, iters=1, only=["kda_chunk"])
+        b.dev = torch.device("cpu")
+        bench_module.bench_kda_chunk(b)
+        names = [f"kda_chunk {n} (bf16)" for n in ("o", *bench_module.KDA_GRAD_NAMES)]
+        assert [c["check"] for c in b.report.checks] == names
+        assert all(c["ok"] for c in b.report.checks), b.report.checks
+        assert ("fla chunk_kda" in b.report.peer_errors) == reported
+        if reported:  # the torch reference in bf16 out: its errors are the output's rounding, far below 5e-3
+            assert max(b.report.peer_errors["fla chunk_kda"].values()) < 5e-3
