@@ -5,11 +5,14 @@ times the inference forward (``torch.no_grad``, CUDA events, median of 20) and, 
 backward, then runs one more call under ``torch.profiler`` and prints the mean GPU time of each of our
 kernels. Use it to see which stage a change moved; ``python -m k3.kernels.bench`` stays the measurement against
 the peer. ``--rev REV`` adds the kernels as of a git revision (``kernels/kda/chunk.py`` at ``REV``, with that
-revision's default config) to the same table, so a change is timed against its predecessor in one process.
+revision's default config) to the same table, so a change is timed against its predecessor in one process;
+``--source FILE`` does the same for an edited copy of that module (a variant under development, or a tree
+copied without its git history).
 
     python ops/bench/kda_stages.py --backward
     python ops/bench/kda_stages.py --config num_warps=8 --config state_block_v=64,state_num_warps=8
     python ops/bench/kda_stages.py --backward --rev HEAD~1
+    python ops/bench/kda_stages.py --backward --source /tmp/chunk_variant.py
 
 Needs a CUDA GPU (exit status 2 without one).
 """
@@ -67,10 +70,37 @@ def load_revision(rev: str):
     name = "kda_chunk_at_" + re.sub(r"\W", "_", rev)
     path = Path(tempfile.mkdtemp(prefix="kda_stages_")) / f"{name}.py"
     path.write_text(proc.stdout)
+    return _import_as(name, path)
+
+
+def load_source(path: str):
+    """A copy of ``kernels/kda/chunk.py`` at ``path`` (edited or not), imported as a module of its own.
+
+    Imported in place (Triton reads each kernel's source from this file); the module must define
+    ``chunk_kda`` and ``ChunkKDAConfig`` like the original."""
+    file = Path(path)
+    if file.suffix != ".py" or not file.is_file():
+        raise ValueError(f"bad source {path!r}: expected an existing .py file, a copy of {CHUNK_SOURCE}")
+    name = "kda_chunk_from_" + re.sub(r"\W", "_", file.stem)
+    try:
+        module = _import_as(name, file)
+    except Exception as exc:  # a broken variant is a bad argument, reported with its error
+        raise ValueError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
+    if not (callable(getattr(module, "chunk_kda", None)) and hasattr(module, "ChunkKDAConfig")):
+        del sys.modules[name]
+        raise ValueError(f"{path!r} defines no chunk_kda / ChunkKDAConfig: not a copy of {CHUNK_SOURCE}")
+    return module
+
+
+def _import_as(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their class's module up while it is being executed
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -95,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", action="append", default=[], help="ChunkKDAConfig fields, e.g. num_warps=8,block_k=32")
     p.add_argument("--backward", action="store_true", help="also time and profile forward + backward")
     p.add_argument("--rev", action="append", default=[], help="also time the kernels as of this git revision")
+    p.add_argument("--source", action="append", default=[], metavar="FILE",
+                   help="also time the kernels of this copy of kernels/kda/chunk.py")
     args = p.parse_args(argv)
     try:
         configs = [parse_config(text) for text in args.config] or [parse_config("")]
@@ -109,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             p.error(str(exc))
         runs.append((f"revision {rev}: {module.ChunkKDAConfig()}", module.chunk_kda, module.ChunkKDAConfig()))
+    for source in args.source:
+        try:
+            module = load_source(source)
+        except ValueError as exc:
+            p.error(str(exc))
+        runs.append((f"source {source}: {module.ChunkKDAConfig()}", module.chunk_kda, module.ChunkKDAConfig()))
     import torch
 
     if not torch.cuda.is_available():

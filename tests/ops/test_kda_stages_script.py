@@ -67,3 +67,33 @@ def test_a_git_revision_of_the_kernels_loads_beside_the_installed_ones():
 def test_a_bad_revision_is_refused_with_its_name(rev, message):
     with pytest.raises(ValueError, match=message):
         kda_stages.load_revision(rev)
+
+
+def test_an_edited_copy_of_the_kernels_loads_beside_the_installed_ones(tmp_path):
+    variant = tmp_path / "chunk_variant.py"
+    variant.write_text((ROOT / "kernels/kda/chunk.py").read_text().replace("    block_k: int = 64\n", "    block_k: int = 32\n"))
+    module = kda_stages.load_source(str(variant))
+    from k3.kernels.kda import chunk
+
+    assert module is not chunk and module.__name__ == "kda_chunk_from_chunk_variant"
+    assert module.ChunkKDAConfig().block_k == 32 and chunk.ChunkKDAConfig().block_k == 64
+
+
+def test_a_bad_source_is_refused_with_the_reason(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def chunk_kda(:\n")
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    for path, message in (
+        (tmp_path / "missing.py", r"expected an existing \.py file"),
+        (broken, r"cannot import .*SyntaxError"),
+        (other, r"defines no chunk_kda / ChunkKDAConfig"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kda_stages.load_source(str(path))
+    assert "kda_chunk_from_broken" not in sys.modules and "kda_chunk_from_other" not in sys.modules
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ops/bench/kda_stages.py"), "--source", str(tmp_path / "missing.py")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "expected an existing .py file" in proc.stderr
