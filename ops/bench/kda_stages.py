@@ -135,18 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from k3.kernels.kda.chunk import chunk_kda
 
     runs = [(str(cfg), chunk_kda, cfg) for cfg in configs]
-    for rev in args.rev:
+    others = [("revision", load_revision, rev) for rev in args.rev]
+    others += [("source", load_source, source) for source in args.source]
+    for kind, load, what in others:  # each with its own default config
         try:
-            module = load_revision(rev)
+            module = load(what)
         except ValueError as exc:
             p.error(str(exc))
-        runs.append((f"revision {rev}: {module.ChunkKDAConfig()}", module.chunk_kda, module.ChunkKDAConfig()))
-    for source in args.source:
-        try:
-            module = load_source(source)
-        except ValueError as exc:
-            p.error(str(exc))
-        runs.append((f"source {source}: {module.ChunkKDAConfig()}", module.chunk_kda, module.ChunkKDAConfig()))
+        cfg = module.ChunkKDAConfig()
+        runs.append((f"{kind} {what}: {cfg}", module.chunk_kda, cfg))
     import torch
 
     if not torch.cuda.is_available():
