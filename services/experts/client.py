@@ -21,8 +21,9 @@ Pool membership and failures:
 - ``set_pools(addresses)`` may run while traffic flows; with a ``pool_file`` (``pool_set``), a thread reads the
   file every ``watch_interval_s`` and applies a changed list the same way. New pools are probed (``PoolStats``) and join when
   they answer; an unreachable one is kept *down* and probed again at the next replan. A removed pool takes no
-  new work; calls already sent to it finish on its channel, which is closed once the last one returns (if the
-  pool itself goes away first, those calls fail and are retried like any other failure).
+  new work; a pool already picked for a call, probe or replication keeps its channel until that work returns,
+  and the channel is closed then (if the pool itself goes away first, those calls fail and are retried like
+  any other failure).
 - A call that fails with UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED marks its pool down and its pieces are
   retried on another pool: the pools of the same shard, else the *adopting* shard (the next shard with a live
   pool), which replicates the experts first. EXPERT_NOT_HOSTED (a replica dropped meanwhile) re-replicates.
@@ -99,7 +100,7 @@ class _Pool:
     shard_count: int = 0
     live: bool = False
     retired: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # holders: calls, probes and replications picked under the lock (see _reserve)
     error: str = ""
     rows: int = 0
     hosted: dict[int, set[int]] = field(default_factory=dict)
@@ -270,32 +271,47 @@ class ExpertPoolClient:
         """Probe every down pool once; those that answer (and still match) take work again."""
         with self._lock:
             down = [p for p in self._pools.values() if not p.live]
-        for pool in down:
-            stats = self._probe(pool)
-            with self._lock:
-                if pool.retired:
-                    continue
-                if isinstance(stats, str):
-                    pool.error = stats
-                    continue
-                try:
-                    self._check_model(pool.address, stats, self._shard_count)
-                except ValueError as exc:
-                    pool.error = str(exc)
-                    log.warning("%s", exc)
-                    continue
-                if not self._num_experts:
-                    self._num_experts, self._layers = stats.num_experts, tuple(stats.layers)
-                if not self._shard_count:
-                    self._shard_count = stats.shard_count
-                self._join(pool, stats)
-                log.info("expert pool %s is back (shard %s)", pool.address, stats.shard)
+            self._reserve(down)
+        try:
+            for pool in down:
+                self._probe_down_one(pool)
+        finally:
+            for pool in down:
+                self._release(pool)
+
+    def _probe_down_one(self, pool: _Pool) -> None:
+        """Probe one down pool (held by the caller); it takes work again if it answers and still matches."""
+        stats = self._probe(pool)
+        with self._lock:
+            if pool.retired:
+                return
+            if isinstance(stats, str):
+                pool.error = stats
+                return
+            try:
+                self._check_model(pool.address, stats, self._shard_count)
+            except ValueError as exc:
+                pool.error = str(exc)
+                log.warning("%s", exc)
+                return
+            if not self._num_experts:
+                self._num_experts, self._layers = stats.num_experts, tuple(stats.layers)
+            if not self._shard_count:
+                self._shard_count = stats.shard_count
+            self._join(pool, stats)
+            log.info("expert pool %s is back (shard %s)", pool.address, stats.shard)
 
     def _mark_down(self, pool: _Pool, reason: str) -> None:
         with self._lock:
             if pool.live:
                 log.warning("expert pool %s is down: %s", pool.address, reason)
             pool.live, pool.error = False, reason
+
+    def _reserve(self, pools) -> None:
+        """With the lock held: keep each pool's channel open until the matching :meth:`_release`. ``set_pools``
+        may retire a pool at any moment, but only closes its channel once nothing holds it."""
+        for pool in pools:
+            pool.in_flight += 1
 
     def _release(self, pool: _Pool) -> None:
         with self._lock:
@@ -317,11 +333,16 @@ class ExpertPoolClient:
                     window[:] = 0
             self._next_plan = time.monotonic() + self.config.replan_interval_s
             work = self._replica_changes()
-        for pool, add, drop in work:
-            try:
-                self._replicate(pool, add, drop)
-            except grpc.RpcError as exc:
-                self._mark_down(pool, f"Replicate failed: {exc.code().name}: {exc.details()}")
+            self._reserve(pool for pool, _, _ in work)
+        try:
+            for pool, add, drop in work:
+                try:
+                    self._replicate(pool, add, drop)
+                except grpc.RpcError as exc:
+                    self._mark_down(pool, f"Replicate failed: {exc.code().name}: {exc.details()}")
+        finally:
+            for pool, _, _ in work:
+                self._release(pool)
 
     def _replica_changes(self) -> list[tuple[_Pool, list[tuple[int, int]], list[tuple[int, int]]]]:
         """Per live pool, the replicas the current placements want added and the ones no longer needed."""
@@ -453,8 +474,19 @@ class ExpertPoolClient:
             if groups is None:
                 raise Unavailable(f"layer {layer}: no live expert pool ({self._describe_pools()}); "
                                   f"{'; '.join(failures[-4:])}")
+        calls: list = []
+        try:
+            return self._call(layer, groups, rows, out, failures, calls)
+        finally:
+            for _, _, future in calls:
+                future.cancel()  # only those an error left unread; a finished call ignores it
+            for pool, _ in groups:
+                self._release(pool)
+
+    def _call(self, layer: int, groups: list[tuple[_Pool, list[_Piece]]], rows: Tensor, out: Tensor,
+              failures: list[str], calls: list) -> list[_Piece]:
+        """The calls of one round on pools ``_assign`` holds; the futures go to ``calls`` as they are sent."""
         retry: list[_Piece] = []
-        calls = []
         for pool, pieces in groups:
             missing = self._missing(pool, layer, pieces)
             if missing:
@@ -470,21 +502,13 @@ class ExpertPoolClient:
             request = experts_pb2.ExpertComputeRequest(
                 layer=layer, expert_ids=[p.expert for p in pieces], counts=[p.count for p in pieces],
                 tokens=tensors.to_proto(torch.cat([rows[p.start:p.start + p.count] for p in pieces])))
-            with self._lock:
-                pool.in_flight += 1
-            try:
-                calls.append((pool, pieces, pool.stub.Compute.future(request, timeout=self.config.call_timeout_s)))
-            except BaseException:
-                self._release(pool)
-                raise
+            calls.append((pool, pieces, pool.stub.Compute.future(request, timeout=self.config.call_timeout_s)))
         for pool, pieces, future in calls:
             try:
                 reply = future.result()
             except grpc.RpcError as exc:
                 retry += self._failed(pool, layer, pieces, exc, failures)
                 continue
-            finally:
-                self._release(pool)
             result = tensors.from_proto(reply.outputs, "outputs")
             expected = (sum(p.count for p in pieces), rows.shape[1])
             if tuple(result.shape) != expected:
@@ -517,8 +541,8 @@ class ExpertPoolClient:
         raise Internal(f"expert pool {pool.address} rejected layer {layer}: {code.name}: {exc.details()}")
 
     def _assign(self, todo: list[_Piece], failures: list[str]) -> list[tuple[_Pool, list[_Piece]]] | None:
-        """Group pieces by (pool, shard): one request each, so no expert appears twice in a request.
-        None when no pool is live."""
+        """Group pieces by (pool, shard): one request each, so no expert appears twice in a request. Each
+        group's pool is held (``_reserve``) until the caller releases it. None when no pool is live."""
         with self._lock:
             live = [p for p in self._pools.values() if p.live]
             by_shard = {d: [p for p in live if p.shard == d] for d in range(self._shard_count)}
@@ -534,6 +558,7 @@ class ExpertPoolClient:
                 target = by_shard[adopt[shard]]
                 pool = target[self._turn % len(target)]  # rotate among a shard's pools, call by call
                 groups.setdefault((pool.address, shard), (pool, []))[1].append(piece)
+            self._reserve(pool for pool, _ in groups.values())
             return list(groups.values())
 
     def _missing(self, pool: _Pool, layer: int, pieces: list[_Piece]) -> list[int]:

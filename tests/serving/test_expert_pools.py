@@ -213,6 +213,37 @@ def test_pools_added_and_removed_while_traffic_flows(local_model):
     assert done["n"] >= 12
 
 
+def test_a_pool_retired_between_picking_and_calling_keeps_its_channel_for_that_call(local_model):
+    # set_pools may retire a pool after a step has picked it but before the step calls it: the call must still
+    # go out on the pool's channel (closed only once the step lets go of it), not fail on a closed channel.
+    a, b = start_pool("0/2"), start_pool("1/2")
+    c = start_pool("0/2")
+    client = ExpertPoolClient([a.address, b.address], PoolClientConfig(replan_interval_s=0))
+    moe, z, ids, weights = layer_inputs(local_model, tokens=8, seed=3)
+    want = moe._local_experts(z, ids, weights)
+    picked = client._assign
+
+    def assign_then_retire(todo, failures):
+        groups = picked(todo, failures)
+        client.set_pools([b.address, c.address])  # a is retired while the step holds it
+        return groups
+
+    try:
+        retired = client._pools[a.address]
+        client._assign = assign_then_retire
+        torch.testing.assert_close(client.compute(moe, z, ids, weights), want, rtol=0, atol=0)
+        assert retired.retired and retired.in_flight == 0
+        assert a.service.pool.stats().rows > 0  # the retired pool did take that step's shard-0 rows
+        with pytest.raises(ValueError, match="closed channel"):  # and its channel was closed afterwards
+            retired.stub.PoolStats(experts_pb2.PoolStatsRequest(), timeout=5)
+        client._assign = picked
+        torch.testing.assert_close(client.compute(moe, z, ids, weights), want, rtol=0, atol=0)
+    finally:
+        client.close()
+        for handle in (a, b, c):
+            handle.stop(0)
+
+
 @pytest.mark.timeout(120)
 def test_pool_dying_mid_step_is_retried_elsewhere_and_all_dead_is_unavailable(local_model):
     a, b = start_pool("0/2"), start_pool("1/2")
