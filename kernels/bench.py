@@ -290,8 +290,10 @@ def bench_kda_chunk(bench: Bench) -> None:
     dev = bench.dev
     # correctness: small shape, forward and backward, against the fp64 reference; the peer's errors on the
     # same inputs are reported beside ours (not checked: its accuracy is its own business, but a speed ratio
-    # means little without it)
-    inputs = _kda_inputs(1, 160, 2, 128, dev, torch.bfloat16)
+    # means little without it). Eight heads: dA_log has one entry per head, a sum of terms that largely cancel,
+    # and with two its relative error swung with the drawn A_log (a bf16-rounded reference output alone
+    # reached 4.5e-3 of the 5e-3 tolerance on the CPU)
+    inputs = _kda_inputs(1, 160, 8, 128, dev, torch.bfloat16)
     fla = _fla()
 
     def check():
