@@ -33,10 +33,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CHUNK_SOURCE = "kernels/kda/chunk.py"
 
 
-def parse_config(text: str):
-    """``"name=value,name=value"`` -> ``ChunkKDAConfig`` (ints where the field is an int); errors name the field."""
-    from k3.kernels.kda.chunk import ChunkKDAConfig
+def parse_config(text: str, config_class=None):
+    """``"name=value,name=value"`` -> ``ChunkKDAConfig`` (ints where the field is an int); errors name the field.
+    ``config_class``: the config class of another copy of the module (``--source``); the installed one by default."""
+    if config_class is None:
+        from k3.kernels.kda.chunk import ChunkKDAConfig as config_class
 
+    ChunkKDAConfig = config_class
     fields = {f.name: f for f in dataclasses.fields(ChunkKDAConfig)}
     kwargs: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
