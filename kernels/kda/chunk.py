@@ -1236,7 +1236,8 @@ def _backward(do, dht, saved, layout, meta):
     NT, N = layout.n_tokens, layout.n_chunks
     f32, poison = torch.float32, cfg.poison
     KP = max(16, triton.next_power_of_2(K))
-    nkb = triton.cdiv(K, cfg.bwd_block_k)  # K tiles of the WY kernel
+    bkb = min(cfg.bwd_block_k, KP)  # K tile of the WY kernel: no wider than K (rounded up to a power of two)
+    nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
     nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
@@ -1276,7 +1277,7 @@ def _backward(do, dht, saved, layout, meta):
     _bwd_wy_k_kernel[(N * H * nkb,)](
         q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
         dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=cfg.bwd_block_k, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     del h, dh, dvn, v_new
