@@ -148,6 +148,11 @@ class ChunkKDAConfig:
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
+        bwd_fuse_finish: run the intra-chunk and the finish kernels as one program per (chunk, head) over the
+            whole K, sub-chunks last to first, so the intra-chunk gradients never go through memory (see
+            ``_bwd_intra_finish_kernel``). Off by default until timed on a GPU.
+        bwd_fused_num_warps: warps per program of that fused kernel (``[16, K]`` tiles): in the sm_90 compile
+            (``ops/bench/kda_resources.py``) it spills 272 bytes per thread at 4 warps and none at 8.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
             when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
@@ -186,6 +191,8 @@ class ChunkKDAConfig:
     bwd_wy_k_num_warps: int = 8
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
+    bwd_fuse_finish: bool = False
+    bwd_fused_num_warps: int = 8
     precision: str = "auto"
     recompute: bool = False
     poison: bool = False
@@ -207,12 +214,12 @@ class ChunkKDAConfig:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
             "num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps",
-            "bwd_wy_k_num_warps", "bwd_intra_num_warps",
+            "bwd_wy_k_num_warps", "bwd_intra_num_warps", "bwd_fused_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
-        for name in ("recompute", "poison"):
+        for name in ("bwd_fuse_finish", "recompute", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision not in _PRECISIONS:
@@ -865,28 +872,20 @@ def _bwd_dak_kernel(
     tl.store(dAk + offT, dA, mask=valid[:, None])
 
 
-@triton.jit
-def _bwd_intra_kernel(
-    q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
-    chunk_start, chunk_len, n_tok, scale,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+@_helper
+def _intra_grads(
+    q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, c, cm, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head, 16-row sub-chunk b, K tile of ``NK``): gradients through A_qk and A_kk of the rows and
-    the columns of sub-chunk b, added in place to the inter-chunk parts in dqh / dkh / dGh.
+    """The intra-chunk parts of ``(dq, dk, dG)`` (``[16, BK]`` tiles) and of ``dbeta`` (16 rows) of sub-chunk
+    ``b`` on the K columns ``c``: gradients through A_qk and A_kk of the rows and the columns of sub-chunk b.
 
     Row side, A[i, j] with i in b: reference = b's first row, one ``[16, 16] x [16, BK]`` product per column
     block j <= b. Column side, A[i, j] with j in b: reference = b's last row, one product per row block i >= b.
-    Both keep every exp() argument below 15 |lower_bound|. Working on ``[16, BK]`` tiles keeps the kernel
-    far from the register limit, and each sub-chunk only visits the blocks it interacts with."""
-    i_c, i_h, part = _chunk_program((BT // 16) * NK, H)
-    b = part // NK
-    i_k = part % NK
-    t0 = tl.load(chunk_start + i_c).to(tl.int64)
-    nv = tl.load(chunk_len + i_c)
+    Both keep every exp() argument below 15 |lower_bound|, and each sub-chunk only visits the blocks it
+    interacts with."""
     o16 = tl.arange(0, 16)
-    c = i_k * BK + tl.arange(0, BK)
-    cm = c < K
     rb = b * 16 + o16
     vb = rb < nv
     rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
@@ -936,27 +935,84 @@ def _bwd_intra_kernel(
         acc_c += _dot(tl.load(dAq + offAT, mask=mT, other=0.0), (scale * qi) * ez, P, EMU)
         acc_c += _dot(tl.load(dAk + offAT, mask=mT, other=0.0), (bi[:, None] * ki) * ez, P, EMU)
     dk_col = tl.exp(tl.where(m2b, Gr1[None, :] - Gb, float("-inf"))) * acc_c
+    return dqb, dk_row + dk_col, qb * dqb + kb * (dk_row - dk_col), _sum(kb * yb, 1)
 
-    dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dqb
-    dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_row + dk_col
-    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + qb * dqb + kb * (dk_row - dk_col)
+
+@triton.jit
+def _bwd_intra_kernel(
+    q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+    chunk_start, chunk_len, n_tok, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, 16-row sub-chunk b, K tile of ``NK``): the intra-chunk gradients (``_intra_grads``),
+    added in place to the inter-chunk parts in dqh / dkh / dGh. Working on ``[16, BK]`` tiles keeps the kernel
+    far from the register limit."""
+    i_c, i_h, part = _chunk_program((BT // 16) * NK, H)
+    b = part // NK
+    i_k = part % NK
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    c = i_k * BK + tl.arange(0, BK)
+    cm = c < K
+    rb = b * 16 + tl.arange(0, 16)
+    vb = rb < nv
+    rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+    m2b = vb[:, None] & cm[None, :]
+    offb = rowb[:, None] * K + c[None, :]
+    dq_i, dk_i, dG_i, db_i = _intra_grads(
+        q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, c, cm, scale, H, K, BT, BK, BETA_SIGMOID, P, EMU
+    )
+    dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dq_i
+    dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_i
+    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + dG_i
     tl.debug_barrier()  # every thread has read its inter-chunk parts before they are overwritten
     tl.store(dqh + offb, dq_t, mask=m2b)
     tl.store(dkh + offb, dk_t, mask=m2b)
     tl.store(dGh + offb, dG_t, mask=m2b)
-    tl.store(dbeta_part + i_k * n_tok * H + rowb, _sum(kb * yb, 1), mask=vb)
+    tl.store(dbeta_part + i_k * n_tok * H + rowb, db_i, mask=vb)
 
 
 @_helper
-def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
-    """dx from d(x / max(||x||, eps)): rstd (dxh - xh (xh . dxh)) above eps, rstd dxh below."""
-    g = tl.load(dxh + off, mask=m2, other=0.0)
+def _l2norm_bwd(x, rx, dxh, extra, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
+    """dx from g = d(x / max(||x||, eps)) = dxh + extra: rstd (g - xh (xh . g)) above eps, rstd g below."""
+    g = tl.load(dxh + off, mask=m2, other=0.0) + extra
     if L2NORM:
         inv = tl.load(rx + row, mask=tm, other=0.0)
         xh = tl.load(x + off, mask=m2, other=0.0).to(tl.float32) * inv[:, None]
         proj = tl.where(inv < 1.0 / _L2_EPS, _sum(xh * g, 1), 0.0)
         g = inv[:, None] * (g - xh * proj[:, None])
     tl.store(dx + off, _out(g, dx, EMU), mask=m2)
+
+
+@_helper
+def _finish_sub_chunk(
+    q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db,
+    offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """The last step for one 16-row sub-chunk, given its ``dq``, ``dk``, ``dG`` tiles as what dqh / dkh / dGh
+    hold plus ``dq_i`` / ``dk_i`` / ``dG_i`` (the fused kernel's intra-chunk parts, 0.0 otherwise; loaded where
+    they are used, which keeps the separate kernel at 168 registers instead of 246) and its ``dbeta`` rows: the
+    reverse cumulative sum of dG (``carry`` holds the sum of the later sub-chunks), the gate backward
+    (-> dg_raw, and the per-chunk sums for dt_bias and A_log), the L2-norm backward of dq and dk and the sigmoid
+    backward of dbeta. Returns the updated ``(carry, ddt, dal)``."""
+    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + dG_i
+    dg = _revcumsum(dG_t, 0) + carry[None, :]
+    carry += _sum(dG_t, 0)
+    # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+    z, sig = _gate_sigmoid(tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32), dt, rate)
+    dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+    ddt += _sum(dz, 0)
+    dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
+    tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
+    _l2norm_bwd(q, rq, dqh, dq_i, dq, offb, m2b, rowb, vb, L2NORM, EMU)
+    _l2norm_bwd(k, rk, dkh, dk_i, dk, offb, m2b, rowb, vb, L2NORM, EMU)
+    if BETA_SIGMOID:
+        sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
+        db = db * sb * (1.0 - sb)
+    tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
+    return carry, ddt, dal
 
 
 @triton.jit
@@ -967,9 +1023,8 @@ def _bwd_finish_kernel(
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head), sub-chunks last to first: the reverse cumulative sum of dG (-> dg), the gate
-    backward (-> dg_raw and per-chunk partial sums for dt_bias and A_log), the L2-norm backward of dq, dk,
-    and the dbeta totals with the sigmoid backward."""
+    """One (chunk, head), sub-chunks last to first: ``_finish_sub_chunk`` on the gradients the WY-K and
+    intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -988,24 +1043,56 @@ def _bwd_finish_kernel(
         rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
         m2b = vb[:, None] & km[None, :]
         offb = rowb[:, None] * K + kc[None, :]
-        dG_t = tl.load(dGh + offb, mask=m2b, other=0.0)
-        dg = _revcumsum(dG_t, 0) + carry[None, :]
-        carry += _sum(dG_t, 0)
-        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
-        z, sig = _gate_sigmoid(tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32), dt, rate)
-        dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-        ddt += _sum(dz, 0)
-        dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
-        tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
-        _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
-        _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
         db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
         for j in tl.static_range(NKB):
             db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
-        if BETA_SIGMOID:
-            sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
-            db = db * sb * (1.0 - sb)
-        tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
+        carry, ddt, dal = _finish_sub_chunk(
+            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, 0.0, 0.0, 0.0, db, offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
+        )  # fmt: skip
+    poff = (i_c.to(tl.int64) * H + i_h) * K + kc
+    tl.store(ddt_part + poff, ddt * rate, mask=km)
+    tl.store(dalog_part + poff, dal * rate_ok, mask=km)
+
+
+@triton.jit
+def _bwd_intra_finish_kernel(
+    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+    dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
+    chunk_start, chunk_len, n_tok, scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """``ChunkKDAConfig.bwd_fuse_finish``: the intra-chunk and the finish kernels in one program per (chunk,
+    head), sub-chunks last to first over the whole K. The intra-chunk gradients stay in registers instead of
+    being added into dqh / dkh / dGh (fp32) and read back: at K = V = 128 about 192 KB less traffic per chunk
+    and head, for one program per (chunk, head) instead of one per sub-chunk and K tile."""
+    i_c, i_h, _ = _chunk_program(1, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    o16 = tl.arange(0, 16)
+    kc = tl.arange(0, KP)
+    km = kc < K
+    rate, rate_ok = _gate_rate(A_log, i_h)
+    dt = tl.load(dt_bias + i_h * K + kc, mask=km, other=0.0).to(tl.float32)
+    carry = tl.full([KP], 0.0, tl.float32)
+    ddt = tl.full([KP], 0.0, tl.float32)
+    dal = tl.full([KP], 0.0, tl.float32)
+    for bi in range(0, tl.cdiv(nv, 16)):
+        b = tl.cdiv(nv, 16) - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
+        rb = b * 16 + o16
+        vb = rb < nv
+        rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+        m2b = vb[:, None] & km[None, :]
+        offb = rowb[:, None] * K + kc[None, :]
+        dq_i, dk_i, dG_i, db = _intra_grads(
+            q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, kc, km, scale, H, K, BT, KP, BETA_SIGMOID, P, EMU
+        )
+        db += tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
+        for j in tl.static_range(NKB):
+            db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
+        carry, ddt, dal = _finish_sub_chunk(
+            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db, offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
+        )  # fmt: skip
     poff = (i_c.to(tl.int64) * H + i_h) * K + kc
     tl.store(ddt_part + poff, ddt * rate, mask=km)
     tl.store(dalog_part + poff, dal * rate_ok, mask=km)
@@ -1238,7 +1325,8 @@ def _backward(do, dht, saved, layout, meta):
     KP = max(16, triton.next_power_of_2(K))
     bkb = min(cfg.bwd_block_k, KP)  # K tile of the WY kernel: no wider than K (rounded up to a power of two)
     nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
-    nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
+    # K tiles of the intra-chunk kernel (none of its own when fused with the finish kernel)
+    nki = 0 if cfg.bwd_fuse_finish else triton.cdiv(K, cfg.bwd_intra_block_k)
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
@@ -1288,27 +1376,33 @@ def _backward(do, dht, saved, layout, meta):
     )  # fmt: skip
     del dAk_part
 
-    _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
-        q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
-        layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
-        P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    del dAq, dAk
-
     dq = _alloc((NT, H, K), q.dtype, dev, poison)
     dk = _alloc((NT, H, K), k.dtype, dev, poison)
     dg_raw = _alloc((NT, H, K), g_raw.dtype, dev, poison)
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    _bwd_finish_kernel[(N * H,)](
-        q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
-        dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
-        layout.chunk_start, layout.chunk_len, NT, meta.lower_bound,
-        H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
-        num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    outputs = (dq, dk, dg_raw, dbeta, ddt_part, dalog_part, layout.chunk_start, layout.chunk_len, NT)
+    flags = dict(L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu, num_stages=cfg.num_stages)
+    if cfg.bwd_fuse_finish:
+        _bwd_intra_finish_kernel[(N * H,)](
+            q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+            *outputs, meta.scale, meta.lower_bound, H=H, K=K, KP=KP, BT=BT, NKB=nkb, P=meta.prec_bwd_intra,
+            num_warps=cfg.bwd_fused_num_warps, **flags,
+        )  # fmt: skip
+    else:
+        _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
+            q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+            layout.chunk_start, layout.chunk_len, NT, meta.scale,
+            H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
+            P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        _bwd_finish_kernel[(N * H,)](
+            q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+            *outputs, meta.lower_bound, H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb,
+            num_warps=cfg.bwd_intra_num_warps, **flags,
+        )  # fmt: skip
+    del dAq, dAk
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)
     return dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0

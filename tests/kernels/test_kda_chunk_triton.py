@@ -60,14 +60,14 @@ def _check(name, actual, expected, dtype):
     assert err <= TOLERANCE[dtype], f"{name}: relative RMS error {err:.3e} > {TOLERANCE[dtype]:.0e} ({dtype})"
 
 
-def _run_both(inputs, dtype, cu_seqlens=None, **flags):
+def _run_both(inputs, dtype, cu_seqlens=None, config=POISON, **flags):
     """Kernel and fp64 reference on the same inputs with state in/out and chunk states; loss uses o and the
     final state, so every input (the initial state included) receives a gradient. Returns a dict name ->
     (kernel value, reference value)."""
     ours_in, ref_in = _leaves(inputs), _leaves(inputs, torch.float64)
     o, ht, chunks = chunk_kda(
         *ours_in[:7], initial_state=ours_in[7], output_final_state=True, cu_seqlens=cu_seqlens,
-        return_chunk_states=True, lower_bound=LOWER_BOUND, config=POISON, **flags,
+        return_chunk_states=True, lower_bound=LOWER_BOUND, config=config, **flags,
     )  # fmt: skip
     ro, rht, rchunks = _reference(
         ref_in, output_final_state=True, cu_seqlens=cu_seqlens, return_chunk_states=True,
@@ -111,6 +111,16 @@ def test_varlen_forward_backward_states(dtype):
     pairs = _run_both(_inputs(gen, 1, 130, 3, dtype, saturate=True), dtype, cu_seqlens=cu)
     assert pairs["chunk_states"][0].shape == (1, 4, H, K, V)
     _assert_all(pairs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_intra_and_finish_kernel_holds_the_same_bounds(dtype):
+    # bwd_fuse_finish: one program per (chunk, head) for the intra-chunk and finish stages. The varlen case
+    # (a tail chunk, a sequence shorter than a chunk, saturated gates) with the initial state against fp64.
+    gen = fresh_generator()
+    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
+    fused = ChunkKDAConfig(poison=True, bwd_fuse_finish=True)
+    _assert_all(_run_both(_inputs(gen, 1, 130, 3, dtype, saturate=True), dtype, cu_seqlens=cu, config=fused), dtype)
 
 
 @pytest.mark.parametrize(
@@ -271,6 +281,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("state_num_stages_few_programs", 5, r"ChunkKDAConfig.state_num_stages_few_programs must be an int from 1 to 4"),
         ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
+        ("bwd_fuse_finish", "yes", r"ChunkKDAConfig.bwd_fuse_finish must be a bool, got 'yes'"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
 )
