@@ -21,7 +21,8 @@ Design decisions
   ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
   ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
   program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum of ``dG``, the
-  gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk and
+  gate's backward, the L2-norm and the sigmoid backward (``ChunkKDAConfig.bwd_fuse_finish``: these last two
+  as one per-chunk kernel). No Python loop runs over chunks: chunk and
   sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
