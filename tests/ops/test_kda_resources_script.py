@@ -70,3 +70,14 @@ def test_bad_arguments_are_refused_with_the_reason(args, message):
     proc = _run(*args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_copy_of_the_module_without_the_compile_only_hook_is_refused(tmp_path):
+    source = (ROOT / "kernels/kda/chunk.py").read_text()
+    old = source.replace("not (emu or _COMPILE_ONLY)", "not emu")
+    assert old != source
+    copy = tmp_path / "chunk_before_the_hook.py"
+    copy.write_text(old)
+    proc = _run("--source", str(copy), "--only", "bwd_dak")
+    assert proc.returncode == 2
+    assert "chunk_kda refused the compile-only run: chunk_kda needs CUDA tensors" in proc.stderr
