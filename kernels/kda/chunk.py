@@ -151,9 +151,9 @@ class ChunkKDAConfig:
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
         bwd_fuse_finish: run the intra-chunk and the finish kernels as one program per (chunk, head) over the
             whole K, sub-chunks last to first, so the intra-chunk gradients never go through memory (see
-            ``_bwd_intra_finish_kernel``). Off by default until timed on a GPU.
+            ``_bwd_finish_kernel``). Off by default until timed on a GPU.
         bwd_fused_num_warps: warps per program of that fused kernel (``[16, K]`` tiles): in the sm_90 compile
-            (``ops/bench/kda_resources.py``) it spills 272 bytes per thread at 4 warps and none at 8.
+            (``ops/bench/kda_resources.py``) it spills 284 bytes per thread at 4 warps and none at 8.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
             when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
@@ -1018,14 +1018,19 @@ def _finish_sub_chunk(
 
 @triton.jit
 def _bwd_finish_kernel(
-    q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
     dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
-    chunk_start, chunk_len, n_tok, lower_bound,
+    chunk_start, chunk_len, n_tok, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+    FUSE_INTRA: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head), sub-chunks last to first: ``_finish_sub_chunk`` on the gradients the WY-K and
-    intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts."""
+    intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts.
+
+    ``FUSE_INTRA`` (``ChunkKDAConfig.bwd_fuse_finish``): the intra-chunk gradients are computed here, over the
+    whole K (``_intra_grads``), and stay in registers instead of being added into dqh / dkh / dGh (fp32) by
+    their own kernel and read back: at K = V = 128 about 192 KB less traffic per chunk and head, for one
+    program per (chunk, head) instead of one per sub-chunk and K tile."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -1047,52 +1052,16 @@ def _bwd_finish_kernel(
         db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
         for j in tl.static_range(NKB):
             db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
+        if FUSE_INTRA:
+            dq_i, dk_i, dG_i, db_i = _intra_grads(
+                q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, kc, km, scale, H, K, BT, KP, BETA_SIGMOID, P, EMU
+            )
+            db += db_i
+        else:
+            dq_i, dk_i, dG_i = 0.0, 0.0, 0.0
         carry, ddt, dal = _finish_sub_chunk(
-            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, 0.0, 0.0, 0.0, db, offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
-        )  # fmt: skip
-    poff = (i_c.to(tl.int64) * H + i_h) * K + kc
-    tl.store(ddt_part + poff, ddt * rate, mask=km)
-    tl.store(dalog_part + poff, dal * rate_ok, mask=km)
-
-
-@triton.jit
-def _bwd_intra_finish_kernel(
-    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
-    dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
-    chunk_start, chunk_len, n_tok, scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """``ChunkKDAConfig.bwd_fuse_finish``: the intra-chunk and the finish kernels in one program per (chunk,
-    head), sub-chunks last to first over the whole K. The intra-chunk gradients stay in registers instead of
-    being added into dqh / dkh / dGh (fp32) and read back: at K = V = 128 about 192 KB less traffic per chunk
-    and head, for one program per (chunk, head) instead of one per sub-chunk and K tile."""
-    i_c, i_h, _ = _chunk_program(1, H)
-    t0 = tl.load(chunk_start + i_c).to(tl.int64)
-    nv = tl.load(chunk_len + i_c)
-    o16 = tl.arange(0, 16)
-    kc = tl.arange(0, KP)
-    km = kc < K
-    rate, rate_ok = _gate_rate(A_log, i_h)
-    dt = tl.load(dt_bias + i_h * K + kc, mask=km, other=0.0).to(tl.float32)
-    carry = tl.full([KP], 0.0, tl.float32)
-    ddt = tl.full([KP], 0.0, tl.float32)
-    dal = tl.full([KP], 0.0, tl.float32)
-    for bi in range(0, tl.cdiv(nv, 16)):
-        b = tl.cdiv(nv, 16) - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
-        rb = b * 16 + o16
-        vb = rb < nv
-        rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
-        m2b = vb[:, None] & km[None, :]
-        offb = rowb[:, None] * K + kc[None, :]
-        dq_i, dk_i, dG_i, db = _intra_grads(
-            q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, kc, km, scale, H, K, BT, KP, BETA_SIGMOID, P, EMU
-        )
-        db += tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
-        for j in tl.static_range(NKB):
-            db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
-        carry, ddt, dal = _finish_sub_chunk(
-            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db, offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
+            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db,
+            offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
         )  # fmt: skip
     poff = (i_c.to(tl.int64) * H + i_h) * K + kc
     tl.store(ddt_part + poff, ddt * rate, mask=km)
@@ -1383,26 +1352,22 @@ def _backward(do, dht, saved, layout, meta):
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    outputs = (dq, dk, dg_raw, dbeta, ddt_part, dalog_part, layout.chunk_start, layout.chunk_len, NT)
-    flags = dict(L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu, num_stages=cfg.num_stages)
-    if cfg.bwd_fuse_finish:
-        _bwd_intra_finish_kernel[(N * H,)](
-            q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
-            *outputs, meta.scale, meta.lower_bound, H=H, K=K, KP=KP, BT=BT, NKB=nkb, P=meta.prec_bwd_intra,
-            num_warps=cfg.bwd_fused_num_warps, **flags,
-        )  # fmt: skip
-    else:
+    if not cfg.bwd_fuse_finish:
         _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
             q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
             layout.chunk_start, layout.chunk_len, NT, meta.scale,
             H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
             P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        _bwd_finish_kernel[(N * H,)](
-            q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
-            *outputs, meta.lower_bound, H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb,
-            num_warps=cfg.bwd_intra_num_warps, **flags,
-        )  # fmt: skip
+    _bwd_finish_kernel[(N * H,)](
+        q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+        dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
+        H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb, FUSE_INTRA=cfg.bwd_fuse_finish, L2NORM=meta.l2norm,
+        BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra, EMU=meta.emu,
+        num_warps=cfg.bwd_fused_num_warps if cfg.bwd_fuse_finish else cfg.bwd_intra_num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
     del dAq, dAk
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     dA_log = dalog_part.sum((0, 2)).to(A_log.dtype)

@@ -39,8 +39,7 @@ def parse_config(text: str, config_class=None):
     if config_class is None:
         from k3.kernels.kda.chunk import ChunkKDAConfig as config_class
 
-    ChunkKDAConfig = config_class
-    fields = {f.name: f for f in dataclasses.fields(ChunkKDAConfig)}
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
     kwargs: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
@@ -55,7 +54,7 @@ def parse_config(text: str, config_class=None):
             kwargs[name] = value.lower() in ("1", "true", "yes")
         else:
             kwargs[name] = value
-    return ChunkKDAConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def load_revision(rev: str):
