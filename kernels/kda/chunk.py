@@ -21,8 +21,7 @@ Design decisions
   ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
   ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
   program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum of ``dG``, the
-  gate's backward, the L2-norm and the sigmoid backward (``ChunkKDAConfig.bwd_fuse_finish``: these last two
-  as one per-chunk kernel). No Python loop runs over chunks: chunk and
+  gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk and
   sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -110,7 +109,10 @@ class ChunkKDAConfig:
             which only streams rows: 32 took it from 0.35 to 0.29 ms at 2·8192·32·128 on an H200, where the
             other kernels are faster at 64 (docs/BENCHMARKS.md).
         block_v: V tile of the forward chunk-parallel kernels (power of two >= 16).
-        num_warps: warps per program of the forward chunk-parallel kernels.
+        num_warps: warps per program of the forward chunk-parallel kernels (except the inverse kernel).
+        inverse_num_warps: warps per program of the forward inverse kernel (``T`` from the strips' output,
+            four ``[BT, BT]`` products): 2 took it from 0.164 to 0.140 ms at 2·8192·32·128 on an H200, where
+            the other forward kernels were fastest at 4 (docs/BENCHMARKS.md).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
@@ -149,11 +151,6 @@ class ChunkKDAConfig:
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
-        bwd_fuse_finish: run the intra-chunk and the finish kernels as one program per (chunk, head) over the
-            whole K, sub-chunks last to first, so the intra-chunk gradients never go through memory (see
-            ``_bwd_finish_kernel``). Off by default until timed on a GPU.
-        bwd_fused_num_warps: warps per program of that fused kernel (``[16, K]`` tiles): in the sm_90 compile
-            (``ops/bench/kda_resources.py``) it spills 284 bytes per thread at 4 warps and none at 8.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
             when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
@@ -175,6 +172,7 @@ class ChunkKDAConfig:
     gate_block_k: int = 32
     block_v: int = 64
     num_warps: int = 4
+    inverse_num_warps: int = 2
     num_stages: int = 2
     state_block_v: int = 32
     state_num_warps: int = 4
@@ -192,8 +190,6 @@ class ChunkKDAConfig:
     bwd_wy_k_num_warps: int = 8
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
-    bwd_fuse_finish: bool = False
-    bwd_fused_num_warps: int = 8
     precision: str = "auto"
     recompute: bool = False
     poison: bool = False
@@ -214,13 +210,13 @@ class ChunkKDAConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
-            "num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps",
-            "bwd_wy_k_num_warps", "bwd_intra_num_warps", "bwd_fused_num_warps",
+            "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps",
+            "bwd_wy_k_num_warps", "bwd_intra_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
-        for name in ("bwd_fuse_finish", "recompute", "poison"):
+        for name in ("recompute", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision not in _PRECISIONS:
@@ -975,9 +971,9 @@ def _bwd_intra_kernel(
 
 
 @_helper
-def _l2norm_bwd(x, rx, dxh, extra, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
-    """dx from g = d(x / max(||x||, eps)) = dxh + extra: rstd (g - xh (xh . g)) above eps, rstd g below."""
-    g = tl.load(dxh + off, mask=m2, other=0.0) + extra
+def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
+    """dx from g = d(x / max(||x||, eps)) = dxh: rstd (g - xh (xh . g)) above eps, rstd g below."""
+    g = tl.load(dxh + off, mask=m2, other=0.0)
     if L2NORM:
         inv = tl.load(rx + row, mask=tm, other=0.0)
         xh = tl.load(x + off, mask=m2, other=0.0).to(tl.float32) * inv[:, None]
@@ -988,17 +984,16 @@ def _l2norm_bwd(x, rx, dxh, extra, dx, off, m2, row, tm, L2NORM: tl.constexpr, E
 
 @_helper
 def _finish_sub_chunk(
-    q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db,
+    q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
     offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """The last step for one 16-row sub-chunk, given its ``dq``, ``dk``, ``dG`` tiles as what dqh / dkh / dGh
-    hold plus ``dq_i`` / ``dk_i`` / ``dG_i`` (the fused kernel's intra-chunk parts, 0.0 otherwise; loaded where
-    they are used, which keeps the separate kernel at 168 registers instead of 246) and its ``dbeta`` rows: the
+    """The last step for one 16-row sub-chunk, given its ``dq``, ``dk``, ``dG`` tiles in dqh / dkh / dGh (each
+    loaded where it is used, which keeps the kernel at 168 registers instead of 246) and its ``dbeta`` rows: the
     reverse cumulative sum of dG (``carry`` holds the sum of the later sub-chunks), the gate backward
     (-> dg_raw, and the per-chunk sums for dt_bias and A_log), the L2-norm backward of dq and dk and the sigmoid
     backward of dbeta. Returns the updated ``(carry, ddt, dal)``."""
-    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0) + dG_i
+    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0)
     dg = _revcumsum(dG_t, 0) + carry[None, :]
     carry += _sum(dG_t, 0)
     # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
@@ -1007,8 +1002,8 @@ def _finish_sub_chunk(
     ddt += _sum(dz, 0)
     dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
     tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
-    _l2norm_bwd(q, rq, dqh, dq_i, dq, offb, m2b, rowb, vb, L2NORM, EMU)
-    _l2norm_bwd(k, rk, dkh, dk_i, dk, offb, m2b, rowb, vb, L2NORM, EMU)
+    _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
+    _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
     if BETA_SIGMOID:
         sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
         db = db * sb * (1.0 - sb)
@@ -1018,19 +1013,18 @@ def _finish_sub_chunk(
 
 @triton.jit
 def _bwd_finish_kernel(
-    q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+    q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
     dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
-    chunk_start, chunk_len, n_tok, scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NKB: tl.constexpr,
-    FUSE_INTRA: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    chunk_start, chunk_len, n_tok, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NKB: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head), sub-chunks last to first: ``_finish_sub_chunk`` on the gradients the WY-K and
     intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts.
 
-    ``FUSE_INTRA`` (``ChunkKDAConfig.bwd_fuse_finish``): the intra-chunk gradients are computed here, over the
-    whole K (``_intra_grads``), and stay in registers instead of being added into dqh / dkh / dGh (fp32) by
-    their own kernel and read back: at K = V = 128 about 192 KB less traffic per chunk and head, for one
-    program per (chunk, head) instead of one per sub-chunk and K tile."""
+    Tried and dropped: the intra-chunk gradients computed in this kernel over the whole K, so that they never
+    go through dqh / dkh / dGh, took 4.36 ms against 1.94 + 0.61 ms for the two kernels at 2·8192·32·128 on an
+    H200 (docs/BENCHMARKS.md)."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -1052,15 +1046,8 @@ def _bwd_finish_kernel(
         db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
         for j in tl.static_range(NKB):
             db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
-        if FUSE_INTRA:
-            dq_i, dk_i, dG_i, db_i = _intra_grads(
-                q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, kc, km, scale, H, K, BT, KP, BETA_SIGMOID, P, EMU
-            )
-            db += db_i
-        else:
-            dq_i, dk_i, dG_i = 0.0, 0.0, 0.0
         carry, ddt, dal = _finish_sub_chunk(
-            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, dq_i, dk_i, dG_i, db,
+            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
             offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
         )  # fmt: skip
     poff = (i_c.to(tl.int64) * H + i_h) * K + kc
@@ -1251,7 +1238,8 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     )  # fmt: skip
     if BT > _SUB:
         _fwd_inverse_kernel[(N * H,)](
-            Tkk, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu, **launch,
+            Tkk, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
+            num_warps=cfg.inverse_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     n_tiles = triton.cdiv(K, cfg.block_k) + triton.cdiv(V, cfg.block_v)
     _fwd_wy_kernel[(N * H * n_tiles,)](
@@ -1295,8 +1283,7 @@ def _backward(do, dht, saved, layout, meta):
     KP = max(16, triton.next_power_of_2(K))
     bkb = min(cfg.bwd_block_k, KP)  # K tile of the WY kernel: no wider than K (rounded up to a power of two)
     nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
-    # K tiles of the intra-chunk kernel (none of its own when fused with the finish kernel)
-    nki = 0 if cfg.bwd_fuse_finish else triton.cdiv(K, cfg.bwd_intra_block_k)
+    nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, v_new, _ = _run_state_forward(
@@ -1352,21 +1339,18 @@ def _backward(do, dht, saved, layout, meta):
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    if not cfg.bwd_fuse_finish:
-        _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
-            q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
-            layout.chunk_start, layout.chunk_len, NT, meta.scale,
-            H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
-            P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
+        q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.scale,
+        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     _bwd_finish_kernel[(N * H,)](
-        q, k, g_raw, beta_raw, A_log, dt_bias, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
+        q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
         dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
-        layout.chunk_start, layout.chunk_len, NT, meta.scale, meta.lower_bound,
-        H=H, K=K, KP=KP, BT=BT, NKB=nki + nkb, FUSE_INTRA=cfg.bwd_fuse_finish, L2NORM=meta.l2norm,
-        BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra, EMU=meta.emu,
-        num_warps=cfg.bwd_fused_num_warps if cfg.bwd_fuse_finish else cfg.bwd_intra_num_warps,
-        num_stages=cfg.num_stages,
+        layout.chunk_start, layout.chunk_len, NT, meta.lower_bound,
+        H=H, K=K, KP=KP, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     del dAq, dAk
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)

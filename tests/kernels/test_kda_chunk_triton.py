@@ -113,16 +113,6 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_intra_and_finish_kernel_holds_the_same_bounds(dtype):
-    # bwd_fuse_finish: one program per (chunk, head) for the intra-chunk and finish stages. The varlen case
-    # (a tail chunk, a sequence shorter than a chunk, saturated gates) with the initial state against fp64.
-    gen = fresh_generator()
-    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
-    fused = ChunkKDAConfig(poison=True, bwd_fuse_finish=True)
-    _assert_all(_run_both(_inputs(gen, 1, 130, 3, dtype, saturate=True), dtype, cu_seqlens=cu, config=fused), dtype)
-
-
 @pytest.mark.parametrize(
     "tiles",
     [
@@ -281,7 +271,8 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("state_num_stages_few_programs", 5, r"ChunkKDAConfig.state_num_stages_few_programs must be an int from 1 to 4"),
         ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
-        ("bwd_fuse_finish", "yes", r"ChunkKDAConfig.bwd_fuse_finish must be a bool, got 'yes'"),
+        ("poison", "yes", r"ChunkKDAConfig.poison must be a bool, got 'yes'"),
+        ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
 )
