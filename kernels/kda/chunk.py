@@ -210,8 +210,8 @@ class ChunkKDAConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
-            "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps",
-            "bwd_wy_k_num_warps", "bwd_intra_num_warps",
+            "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps",
+            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
