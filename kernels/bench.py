@@ -251,7 +251,10 @@ def kda_chunk_errors(fn: Callable[..., torch.Tensor], inputs: tuple, seed: int =
     the fp64 reference (:func:`k3.kernels.dispatch.kda_chunk_raw_reference`) on the same inputs.
 
     ``fn(q, k, v, g_raw, beta_raw, A_log, dt_bias)`` returns the output ``o`` (gate, L2 norm and beta sigmoid
-    applied inside, lower bound -5). The same measurement serves our kernels (checked against the tolerance)
+    applied inside, lower bound -5). ``"o (no grad)"`` is the output of a call under ``torch.no_grad()``: the
+    inference path, which may keep its intermediates in lower precision than the training path that the
+    gradients go through, and which the benchmark's "fwd" rows time. The same measurement serves our kernels
+    (checked against the tolerance)
     and the peer (reported), so both are held to one reference; fp64 because the ``A_log`` and ``dt_bias``
     gradients sum terms over all tokens that largely cancel, and an fp32 reference's own error is of the
     order of the tolerance there.
@@ -267,6 +270,8 @@ def kda_chunk_errors(fn: Callable[..., torch.Tensor], inputs: tuple, seed: int =
     o = fn(*leaves)
     o.backward(do.to(o.dtype))
     errors = {"o": _rel_rms(o, o_ref)}
+    with torch.no_grad():
+        errors["o (no grad)"] = _rel_rms(fn(*inputs), o_ref)
     for name, ours, ref in zip(KDA_GRAD_NAMES, leaves, ref_leaves, strict=True):
         errors[name] = _rel_rms(ours.grad, ref.grad) if ours.grad is not None else float("inf")
     return errors

@@ -14,10 +14,11 @@ Design decisions
   inverted; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
   one program per (chunk, head, K or V tile): ``w``, ``u`` and the operands of the next two stages,
   ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence, head, V tile)
-  carries the fp32 state in registers across the chunks of its sequence and writes the state before
-  every chunk plus ``v_new``; (6) a chunk-parallel output kernel. Backward recomputes the states (stage 5
-  again) instead of keeping them, then: ``dA_qk``; the reverse state recurrence (``dS`` per chunk,
-  ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``,
+  carries the fp32 state in registers across the chunks of its sequence and writes every chunk's output
+  from the state before it (the chunk states only when they are asked for: a separate output kernel
+  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes
+  the states and ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``;
+  the reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``,
   ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
   ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
   program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum of ``dG``, the
@@ -39,19 +40,25 @@ Design decisions
   its first row: every column ``j`` before it gets a factor ``<= 1`` and the columns inside it a factor
   ``<= exp(15 |lower_bound|)``. That turns each 16-row strip of ``A_qk`` / ``A_kk`` (and of their
   gradients) into one ``tl.dot``. ``lower_bound`` is therefore limited to ``15 |lower_bound| <= 80``.
+  The forward computes each strip transposed, ``A[b rows, :]^T = (column factors) (row factors)^T``: the
+  product then has the chunk's ``BT`` rows, which Hopper runs as one warp-group product instead of
+  warp-level ones on 16 rows.
 * Inverse. Each strip program inverts its 16x16 diagonal block as ``(I - A)(I + A^2)(I + A^4)(I + A^8)``
   (A is nilpotent) in exact fp32. The next kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
   the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
   block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
-  (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state and
-  output kernels (their result is a bf16 output), tf32 in the forward intra-chunk and WY kernels and in
+  (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state
+  kernel (its result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in
   most of the backward, and split bf16 (``hi + lo``, three bf16 tensor-core products, about 16 significant
   bits) in the backward intra-chunk kernel, where ``dG`` gathers pairwise terms that cancel exactly (each
   ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
   all tokens. Without autograd (inference, prefill) the product operands that cross kernels (``A_qk``,
   ``w``, ``u``, ``qg``, ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round
-  them to bf16 or tf32 anyway. When a backward follows, ``u``, ``v_new`` and the states are fp32, ``A_qk``,
+  them to bf16 or tf32 anyway; there ``T`` is a bf16 copy and the WY products take bf16 operands, since
+  ``w`` and ``u`` are stored in bf16 right after them (inference output error 3.1e-3 -> 3.4e-3 relative
+  RMS against the fp64 reference on an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a
+  backward follows, ``u``, ``v_new`` and the states are fp32, ``A_qk``,
   ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1 (``_bounded_operand_dtype``: same 11 significant
   bits as the tf32 products, half the bytes; fp32 otherwise), and the states are recomputed with tf32
   products: ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all tokens that largely cancel, so a
@@ -104,11 +111,13 @@ class ChunkKDAConfig:
     Triton's resource report (register spills) and per-kernel timings (docs/BENCHMARKS.md).
 
     Fields:
-        block_k: K tile of the forward chunk-parallel kernels (power of two >= 16).
+        block_k: K tile of the forward WY kernel (power of two >= 16).
+        intra_block_k: K tile of the forward strip kernel (rows of ``A_qk`` and ``A_kk``): 32 took it from 0.67
+            to 0.63 ms at 2·8192·32·128 on an H200 (0.84 ms at 128; docs/BENCHMARKS.md).
         gate_block_k: K tile of the gate kernel (the gate, its cumulative sum ``G`` and the q/k row norms),
             which only streams rows: 32 took it from 0.35 to 0.29 ms at 2·8192·32·128 on an H200, where the
             other kernels are faster at 64 (docs/BENCHMARKS.md).
-        block_v: V tile of the forward chunk-parallel kernels (power of two >= 16).
+        block_v: V tile of the forward WY kernel (power of two >= 16).
         num_warps: warps per program of the forward chunk-parallel kernels (except the inverse kernel).
         inverse_num_warps: warps per program of the forward inverse kernel (``T`` from the strips' output,
             four ``[BT, BT]`` products): 2 took it from 0.164 to 0.140 ms at 2·8192·32·128 on an H200, where
@@ -117,7 +126,9 @@ class ChunkKDAConfig:
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
             backward follows); one program per (sequence, head, V tile) keeps a ``[K, state_block_v]``
-            fp32 state in registers (power of two >= 16).
+            fp32 state in registers (power of two >= 16) and writes the output of every chunk. 64 at 8 warps
+            took the state and output stages from 0.33 + 0.19 ms (two kernels) to 0.37 at 2·8192·32·128 on an
+            H200, where the fused kernel took 0.65 ms at 32 / 4 warps (docs/BENCHMARKS.md).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
         state_num_stages_few_programs: the same when the kernel has fewer programs than the GPU has SMs (a few
@@ -152,11 +163,12 @@ class ChunkKDAConfig:
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
-            when all are 16-bit, bf16 products in the forward state and output kernels (the bf16 output
+            when all are 16-bit, bf16 products in the forward state kernel (the bf16 output
             is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
             products everywhere else (A, the inverse, the WY factors, the rest of the backward).
             ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products, about 16 significant
-            bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its gate gradients carry errors of a few percent, because ``dG`` sums pairwise
+            bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its gate gradients
+            carry errors of a few percent, because ``dG`` sums pairwise
             terms that cancel (each ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and
             ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens. Those pairs are formed in the backward
             intra-chunk kernel: with tf32 there, ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of
@@ -169,13 +181,14 @@ class ChunkKDAConfig:
     """
 
     block_k: int = 64
+    intra_block_k: int = 32
     gate_block_k: int = 32
     block_v: int = 64
     num_warps: int = 4
     inverse_num_warps: int = 2
     num_stages: int = 2
-    state_block_v: int = 32
-    state_num_warps: int = 4
+    state_block_v: int = 64
+    state_num_warps: int = 8
     state_num_stages: int = 2
     state_num_stages_few_programs: int = 3
     state_block_v_fp32: int = 32
@@ -196,7 +209,7 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v",
+            "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v",
             "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
         ):
             value = getattr(self, name)
@@ -461,8 +474,9 @@ def _fwd_intra_kernel(
     ikb = tl.load(rk + rowb, mask=vb, other=0.0)
     iqb = tl.load(rq + rowb, mask=vb, other=0.0)
     ref = (t0 + tl.minimum(b * 16, nv - 1)) * H + i_h
-    acc_q = tl.full([16, BT], 0.0, tl.float32)
-    acc_k = tl.full([16, BT], 0.0, tl.float32)
+    # transposed strips, A^T[:, rows of b] = kc @ (row tile)^T: M = BT rows, so the product is a warp-group one
+    acc_q = tl.full([BT, 16], 0.0, tl.float32)
+    acc_k = tl.full([BT, 16], 0.0, tl.float32)
     for kk in tl.static_range(0, K, BK):
         c = kk + tl.arange(0, BK)
         cm = c < K
@@ -471,32 +485,32 @@ def _fwd_intra_kernel(
         Gr = tl.load(G + ref * K + c, mask=cm, other=0.0)
         kf = tl.load(k + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32) * ik[:, None]
         Gf = tl.load(G + row[:, None] * K + c[None, :], mask=m2, other=0.0)
-        kcT = tl.trans(kf * tl.exp(tl.where(m2, Gr[None, :] - Gf, float("-inf"))))
+        kc = kf * tl.exp(tl.where(m2, Gr[None, :] - Gf, float("-inf")))
         offb = rowb[:, None] * K + c[None, :]
         Gb = tl.load(G + offb, mask=m2b, other=0.0)
         er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
         kbf = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
         qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
         kb = kbf * er
-        acc_q += _dot(qb, kcT, P, EMU)
-        acc_k += _dot(kb, kcT, P, EMU)
+        acc_q += _dot(kc, tl.trans(qb), P, EMU)
+        acc_k += _dot(kc, tl.trans(kb), P, EMU)
     betab = _load_beta(beta_raw, rowb, vb, BETA_SIGMOID)
-    offA = rowb[:, None] * BT + r[None, :]
-    a_q = tl.where(vb[:, None] & (r[None, :] <= rb[:, None]), acc_q * scale, 0.0)
-    tl.store(Aqk + offA, _out(a_q, Aqk, EMU), mask=vb[:, None])
-    a_k = tl.where(vb[:, None] & (r[None, :] < b * 16), acc_k * betab[:, None], 0.0)
+    offA = rowb[None, :] * BT + r[:, None]  # [BT, 16]: (j, i) -> A[i, j]
+    a_q = tl.where(vb[None, :] & (r[:, None] <= rb[None, :]), acc_q * scale, 0.0)
+    tl.store(Aqk + offA, _out(a_q, Aqk, EMU), mask=vb[None, :])
+    a_k = tl.where(vb[None, :] & (r[:, None] < b * 16), acc_k * betab[None, :], 0.0)
     outside = (r < b * 16) | (r >= b * 16 + 16)
-    tl.store(Akk + offA, a_k, mask=vb[:, None] & outside[None, :])
+    tl.store(Akk + offA, a_k, mask=vb[None, :] & outside[:, None])
     # the diagonal block as a [16, 16] tile (Triton cannot slice): an exact selection product
-    pick = (r[:, None] == b * 16 + o16[None, :]).to(tl.float32)
-    acc_d = tl.dot(acc_k, pick, input_precision="ieee")
+    pick = (b * 16 + o16[:, None] == r[None, :]).to(tl.float32)
+    acc_d = tl.trans(tl.dot(pick, acc_k, input_precision="ieee"))
     Ad = tl.where(vb[:, None] & (o16[None, :] < o16[:, None]), acc_d * betab[:, None], 0.0)
     tl.store(Akk + rowb[:, None] * BT + b * 16 + o16[None, :], _unit_lower_inverse16(Ad), mask=vb[:, None])
 
 
 @triton.jit
 def _fwd_inverse_kernel(
-    Akk, chunk_start, chunk_len,
+    Akk, Tout, chunk_start, chunk_len,
     H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head): T = (I + A_kk)^-1, written over the strip kernel's output X.
@@ -517,8 +531,8 @@ def _fwd_inverse_kernel(
     M = _dot(D, tl.where(blk[:, None] > blk[None, :], X, 0.0), P, EMU)
     Y = (r[:, None] == r[None, :]).to(tl.float32) + _dot(M, M, P, EMU)
     Tm = _dot(Y - _dot(M, Y, P, EMU), D, P, EMU)
-    tl.debug_barrier()  # every thread has read its part of X
-    tl.store(Akk + offT, Tm, mask=valid[:, None])
+    tl.debug_barrier()  # every thread has read its part of X (Tout may be Akk)
+    tl.store(Tout + offT, _out(Tm, Tout, EMU), mask=valid[:, None])
 
 
 @triton.jit
@@ -568,17 +582,21 @@ def _fwd_wy_kernel(
 
 @triton.jit
 def _fwd_state_kernel(
-    kd, gl, w, u, h0, h_out, v_new, ht,
+    kd, gl, w, u, h0, h_out, v_new, ht, qg, Aqk, o,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
-    P: tl.constexpr, EMU: tl.constexpr,
+    HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr, OUT: tl.constexpr,
+    STORE_FINAL: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk.
+    """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk; with ``OUT`` also
+    the chunk's output O = qg S + A_qk v_new from the state before the chunk.
 
-    Every per-token factor (norms, decays) is already folded into ``w`` and ``kd`` by the intra-chunk
-    kernel, so the sequential loop reads three tiles and one row per chunk and does two products."""
+    Every per-token factor (norms, decays, the scale) is already folded into ``w``, ``kd`` and ``qg`` by the
+    WY kernel, so the sequential loop reads a few tiles and one row per chunk. The output's two products
+    do not feed the recurrence, so they overlap with the next chunk's loads instead of lengthening the
+    sequential chain; the states and ``v_new`` are written only where they are wanted (``SAVE_H``,
+    ``SAVE_V_NEW``)."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -609,46 +627,18 @@ def _fwd_state_kernel(
         offv = row[:, None] * V + vc[None, :]
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
-        tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
+        if SAVE_V_NEW:
+            tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
+        if OUT:  # the output of the chunk from the state before it: O = qg S + A_qk v_new
+            acc = _dot(tl.load(qg + offk, mask=m2k, other=0.0), S, P, EMU)
+            Aq = tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
+            acc += _dot(Aq, vn, P, EMU)
+            tl.store(o + offv, _out(acc, o, EMU), mask=m2v)
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
         S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
     if STORE_FINAL:
         tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
-
-
-@triton.jit
-def _fwd_out_kernel(
-    qg, h, Aqk, v_new, o,
-    chunk_start, chunk_len,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    P: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """One (chunk, head, V tile of ``NV``): O = qg S + A_qk v_new (``qg`` carries the scale, the norm and exp(G))."""
-    i_c, i_h, i_v = _chunk_program(NV, H)
-    t0 = tl.load(chunk_start + i_c).to(tl.int64)
-    nv = tl.load(chunk_len + i_c)
-    r = tl.arange(0, BT)
-    cc = tl.arange(0, BT)
-    valid = r < nv
-    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
-    vc = i_v * BV + tl.arange(0, BV)
-    vm = vc < V
-    acc = tl.full([BT, BV], 0.0, tl.float32)
-    hbase = (i_c.to(tl.int64) * H + i_h) * K * V
-    for kk in tl.static_range(0, K, BK):
-        c = kk + tl.arange(0, BK)
-        cm = c < K
-        qt = tl.load(qg + row[:, None] * K + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-        hs = tl.load(h + hbase + c[:, None] * V + vc[None, :], mask=cm[:, None] & vm[None, :], other=0.0)
-        acc += _dot(qt, hs, P, EMU)
-    Aq = tl.load(Aqk + row[:, None] * BT + cc[None, :], mask=valid[:, None], other=0.0)
-    m2v = valid[:, None] & vm[None, :]
-    offv = row[:, None] * V + vc[None, :]
-    vn = tl.load(v_new + offv, mask=m2v, other=0.0)
-    acc += _dot(Aq, vn, P, EMU)
-    tl.store(o + offv, _out(acc, o, EMU), mask=m2v)
 
 
 # =============================================================================================== backward
@@ -1097,7 +1087,7 @@ def _build_layout(bounds: tuple[tuple[int, int], ...], chunk_size: int, device: 
 
 
 def _precision_codes(precision: str, tensors) -> tuple[int, int, int, int]:
-    """``_dot``'s ``P`` codes (forward intra-chunk kernels, forward state and output kernels, backward,
+    """``_dot``'s ``P`` codes (forward intra-chunk kernels, forward state kernel, backward,
     backward intra-chunk kernel) for ``ChunkKDAConfig.precision`` and the input dtypes."""
     if precision == "ieee" or (precision == "auto" and any(t.dtype == torch.float32 for t in tensors)):
         return 2, 2, 2, 2
@@ -1154,7 +1144,7 @@ class _Meta:
     beta_sigmoid: bool
     chunk_size: int
     prec_intra: int  # product precision code of _dot in the forward intra-chunk kernel (see _dot)
-    prec_fwd: int  # ... in the forward state and output kernels
+    prec_fwd: int  # ... in the forward state kernel (and the WY kernel without a backward)
     prec: int  # ... in the backward (and its recomputation of the states)
     prec_bwd_intra: int  # ... in the backward intra-chunk kernel (the gate gradients' cancelling sums)
     lean: bool  # no backward will follow: forward intermediates in bf16, nothing saved
@@ -1178,26 +1168,32 @@ def _bounded_operand_dtype(meta: _Meta) -> torch.dtype:
     return torch.float32
 
 
-def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final):
-    """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state."""
+def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final, out=None):
+    """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state.
+
+    ``out = (qg, Aqk, o)``: the forward's output is computed here too, chunk by chunk from the state in
+    registers, and neither ``v_new`` nor the states are written (None is returned for them) unless ``h_dtype``
+    is given (the chunk states were asked for)."""
     _, H, K = kd.shape
     V = u.shape[-1]
     cfg, dev = meta.cfg, kd.device
-    h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison)
-    v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison)
+    save_h = out is None or h_dtype is not None
+    h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison) if save_h else gl
+    v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison) if out is None else gl
+    qg, Aqk, o = out if out is not None else (gl, gl, gl)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
     fp32 = u.dtype == torch.float32
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
     _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht,
+        kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
-        HAS_H0=h0 is not None, SAVE_H=True, STORE_FINAL=want_final, P=P, EMU=meta.emu,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
+        STORE_FINAL=want_final, P=P, EMU=meta.emu, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return h, v_new, (ht if want_final else None)
+    return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
 
 
 def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
@@ -1221,7 +1217,10 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     rq = _alloc((NT, H), f32, dev, poison)
     rk = _alloc((NT, H), f32, dev, poison)
     Aqk = _alloc((NT, H, BT), bounded, dev, poison)
-    Tkk = _alloc((NT, H, BT), f32, dev, poison)  # also the in-place scratch of the inverse
+    Tkk = _alloc((NT, H, BT), f32, dev, poison)  # the strips' output X; T is written over it with a backward
+    # without a backward, T is only the bf16 operand of the WY products: a bf16 copy of its own
+    Twy = _alloc((NT, H, BT), half, dev, poison) if meta.lean and BT > _SUB else Tkk
+    p_wy = meta.prec_fwd if meta.lean else meta.prec_intra
     w = _alloc((NT, H, K), bounded, dev, poison)
     u = _alloc((NT, H, V), inter, dev, poison)
     qg = _alloc((NT, H, K), bounded, dev, poison)
@@ -1233,19 +1232,19 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     )  # fmt: skip
     _fwd_intra_kernel[(N * H * (BT // _SUB),)](
         q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
+        H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
         **launch,
     )  # fmt: skip
     if BT > _SUB:
         _fwd_inverse_kernel[(N * H,)](
-            Tkk, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
+            Tkk, Twy, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
             num_warps=cfg.inverse_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     n_tiles = triton.cdiv(K, cfg.block_k) + triton.cdiv(V, cfg.block_v)
     _fwd_wy_kernel[(N * H * n_tiles,)](
-        q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
+        q, k, v, beta_raw, G, rq, rk, Twy, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
         H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
-        P=meta.prec_intra, EMU=meta.emu, **launch,
+        P=p_wy, EMU=meta.emu, **launch,
     )  # fmt: skip
     return G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl
 
@@ -1254,21 +1253,13 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     """Returns ``(o, final state, chunk states, intermediates the backward needs)``."""
     _, H, K = q.shape
     V = v.shape[-1]
-    cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
-    NT, N = layout.n_tokens, layout.n_chunks
-    half = torch.bfloat16 if meta.prec_fwd != 2 else torch.float32
+    cfg, dev = meta.cfg, q.device
     inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
     _, _, _, Aqk, _, w, u, qg, kd, gl = inter
-    h, v_new, ht = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.float32 if want_chunks else half,
-        v_new_dtype=half, want_final=want_final,
-    )  # fmt: skip
-    o = _alloc((NT, H, V), v.dtype, dev, cfg.poison)
-    nv = triton.cdiv(V, cfg.block_v)
-    _fwd_out_kernel[(N * H * nv,)](
-        qg, h, Aqk, v_new, o, layout.chunk_start, layout.chunk_len,
-        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, NV=nv, P=meta.prec_fwd, EMU=meta.emu,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    o = _alloc((layout.n_tokens, H, V), v.dtype, dev, cfg.poison)
+    h, _, ht = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.float32 if want_chunks else None,
+        v_new_dtype=None, want_final=want_final, out=(qg, Aqk, o),
     )  # fmt: skip
     return o, ht, h, inter
 

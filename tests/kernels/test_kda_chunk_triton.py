@@ -346,8 +346,8 @@ def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients():
 
 
 def test_the_benchmarks_error_measure_holds_our_kernels_and_catches_a_wrong_one():
-    # k3.kernels.bench checks our kernels and reports the peer's errors with kda_chunk_errors: all eight
-    # numbers (output and seven gradients) within tolerance for ours, and a kernel with another gate lower
+    # k3.kernels.bench checks our kernels and reports the peer's errors with kda_chunk_errors: all nine
+    # numbers (output with and without autograd, seven gradients) within tolerance for ours, and a kernel with another gate lower
     # bound must show up in the output's error. Eight heads: dA_log has one entry per head, a sum over all
     # tokens of terms that largely cancel, with an absolute error of about 5e-4. With two heads, some draws
     # of A_log make both entries small (0.03 and 0.11 against 0.3 for most) and the relative error passed
@@ -357,14 +357,14 @@ def test_the_benchmarks_error_measure_holds_our_kernels_and_catches_a_wrong_one(
 
     inputs = _kda_inputs(1, 70, 8, K, torch.device("cpu"), torch.bfloat16)
     errors = kda_chunk_errors(lambda *x: chunk_kda(*x, lower_bound=LOWER_BOUND, config=POISON)[0], inputs)
-    assert list(errors) == ["o", *KDA_GRAD_NAMES]
+    assert list(errors) == ["o", "o (no grad)", *KDA_GRAD_NAMES]
     assert all(e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
     wrong = kda_chunk_errors(lambda *x: kda_chunk_raw_reference(*x, lower_bound=-2.0)[0], inputs)
-    assert wrong["o"] > 10 * TOLERANCE[torch.bfloat16]
+    assert wrong["o"] > 10 * TOLERANCE[torch.bfloat16] and wrong["o (no grad)"] > 10 * TOLERANCE[torch.bfloat16]
 
 
 def test_the_benchmark_checks_ours_and_reports_the_peer_on_the_same_inputs(monkeypatch):
-    # The KDA-chunk section without its timings, on the CPU: our eight numbers become checks, the peer's are
+    # The KDA-chunk section without its timings, on the CPU: our nine numbers become checks, the peer's are
     # reported (a peer with fla's signature, here the torch reference), and a peer that raises is only reported.
     from k3.kernels import bench as bench_module
     from k3.kernels.dispatch import kda_chunk_raw_reference
@@ -383,7 +383,7 @@ def test_the_benchmark_checks_ours_and_reports_the_peer_on_the_same_inputs(monke
         b = bench_module.Bench(quick=True, iters=1, only=["kda_chunk"])
         b.dev = torch.device("cpu")
         bench_module.bench_kda_chunk(b)
-        names = [f"kda_chunk {n} (bf16)" for n in ("o", *bench_module.KDA_GRAD_NAMES)]
+        names = [f"kda_chunk {n} (bf16)" for n in ("o", "o (no grad)", *bench_module.KDA_GRAD_NAMES)]
         assert [c["check"] for c in b.report.checks] == names
         assert all(c["ok"] for c in b.report.checks), b.report.checks
         assert ("fla chunk_kda" in b.report.peer_errors) == reported
