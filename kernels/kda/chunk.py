@@ -8,8 +8,9 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G``, the
-  last row ``G_last`` of every chunk and the inverse row norms of q and k; (2) one program per (chunk,
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and
+  the last row ``G_last`` of every chunk (one program per K tile), and the inverse row norms of q and k
+  (one more program per chunk and head); (2) one program per (chunk,
   head, 16-row strip): rows of ``A_qk`` and ``A_kk``, with the strip's diagonal block of ``A_kk`` already
   inverted; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
   one program per (chunk, head, K or V tile): ``w``, ``u`` and the operands of the next two stages,
@@ -114,9 +115,10 @@ class ChunkKDAConfig:
         block_k: K tile of the forward WY kernel (power of two >= 16).
         intra_block_k: K tile of the forward strip kernel (rows of ``A_qk`` and ``A_kk``): 32 took it from 0.67
             to 0.63 ms at 2·8192·32·128 on an H200 (0.84 ms at 128; docs/BENCHMARKS.md).
-        gate_block_k: K tile of the gate kernel (the gate, its cumulative sum ``G`` and the q/k row norms),
-            which only streams rows: 32 took it from 0.35 to 0.29 ms at 2·8192·32·128 on an H200, where the
-            other kernels are faster at 64 (docs/BENCHMARKS.md).
+        gate_block_k: K tile of the gate kernel: one program per (chunk, head, K tile) computes the gate and
+            its cumulative sum ``G`` on that tile, one more per (chunk, head) the q/k row norms. 32: 0.23 ms
+            at 2·8192·32·128 on an H200, 64: 0.29; one program per (chunk, head) looping over the tiles took
+            0.28 (docs/BENCHMARKS.md).
         block_v: V tile of the forward WY kernel (power of two >= 16).
         num_warps: warps per program of the forward chunk-parallel kernels (except the inverse kernel).
         inverse_num_warps: warps per program of the forward inverse kernel (``T`` from the strips' output,
@@ -409,21 +411,20 @@ def _unit_lower_inverse16(A):
 def _fwd_gate_kernel(
     q, k, g_raw, A_log, dt_bias, G, gl, rq, rk,
     chunk_start, chunk_len, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NKT: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): the gate and its cumulative sum ``G``, ``gl = G_last`` (one row per chunk) and the
-    inverse row norms of q and k."""
-    i_c, i_h, _ = _chunk_program(1, H)
+    """One (chunk, head, part): parts below ``NKT`` take one K tile of the gate, its cumulative sum ``G`` and
+    ``gl = G_last`` (one row per chunk); the last part takes the inverse row norms of q and k."""
+    i_c, i_h, part = _chunk_program(NKT + 1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
     valid = r < nv
     row = (t0 + r) * H + i_h  # token-major row index of (token, head)
-    rate, _ = _gate_rate(A_log, i_h)
-    sq = tl.full([BT], 0.0, tl.float32)
-    sk = tl.full([BT], 0.0, tl.float32)
-    for kk in tl.static_range(0, K, BK):
-        c = kk + tl.arange(0, BK)
+    if part < NKT:
+        rate, _ = _gate_rate(A_log, i_h)
+        c = part * BK + tl.arange(0, BK)
         cm = c < K
         m2 = valid[:, None] & cm[None, :]
         off = row[:, None] * K + c[None, :]
@@ -433,19 +434,25 @@ def _fwd_gate_kernel(
         g = tl.where(m2, lower_bound * sig, 0.0)
         tl.store(G + off, _cumsum(g, 0), mask=m2)
         tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
-        if L2NORM:
-            bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
-            bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
-            sq += _sum(bq * bq, 1)
-            sk += _sum(bk * bk, 1)
-    if L2NORM:
-        iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
-        ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
     else:
-        iq = tl.full([BT], 1.0, dtype=tl.float32)
-        ik = tl.full([BT], 1.0, dtype=tl.float32)
-    tl.store(rq + row, iq, mask=valid)
-    tl.store(rk + row, ik, mask=valid)
+        sq = tl.full([BT], 0.0, tl.float32)
+        sk = tl.full([BT], 0.0, tl.float32)
+        if L2NORM:
+            for kk in tl.static_range(0, K, BK):
+                c = kk + tl.arange(0, BK)
+                m2 = valid[:, None] & (c < K)[None, :]
+                off = row[:, None] * K + c[None, :]
+                bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
+                bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
+                sq += _sum(bq * bq, 1)
+                sk += _sum(bk * bk, 1)
+            iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
+            ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
+        else:
+            iq = sq + 1.0
+            ik = sk + 1.0
+        tl.store(rq + row, iq, mask=valid)
+        tl.store(rk + row, ik, mask=valid)
 
 
 @triton.jit
@@ -1226,9 +1233,10 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     qg = _alloc((NT, H, K), bounded, dev, poison)
     kd = _alloc((NT, H, K), bounded, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fwd_gate_kernel[(N * H,)](
+    nkt = triton.cdiv(K, cfg.gate_block_k)
+    _fwd_gate_kernel[(N * H * (nkt + 1),)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
-        H=H, K=K, BT=BT, BK=cfg.gate_block_k, L2NORM=meta.l2norm, **launch,
+        H=H, K=K, BT=BT, BK=cfg.gate_block_k, NKT=nkt, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
     _fwd_intra_kernel[(N * H * (BT // _SUB),)](
         q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
