@@ -88,6 +88,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from k3.kernels.kda.reference import sequence_bounds
 
@@ -1135,6 +1136,22 @@ def _forward_state_stages(cfg: ChunkKDAConfig, fp32: bool, programs: int, device
     return cfg.state_num_stages
 
 
+def _launch_within_shared_memory(launch, num_stages: int):
+    """``launch(num_stages)``, retried with one stage fewer each time the compiled kernel needs more shared memory
+    than the GPU has (Triton raises ``OutOfResources`` when it loads the kernel, before anything runs).
+
+    Each pipeline stage holds a copy of a loop iteration's tiles: the forward state kernel's 128-wide V tiles with
+    the deeper pipeline of ``state_num_stages_few_programs`` need 237 KB against an H200's 227 KB. Same kernel,
+    same results, a shallower pipeline instead of a failed call."""
+    for stages in range(num_stages, 0, -1):
+        try:
+            return launch(stages)
+        except OutOfResources:
+            if stages == 1:
+                raise
+    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+
+
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
     if poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -1193,13 +1210,13 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
-    _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
+    _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
-        STORE_FINAL=want_final, P=P, EMU=meta.emu, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        STORE_FINAL=want_final, P=P, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
+    ), num_stages)  # fmt: skip
     return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
 
 

@@ -307,6 +307,31 @@ def test_inference_state_kernel_pipelines_deeper_when_programs_are_fewer_than_sm
     assert chunk_module._forward_state_stages(cfg, True, 128, cpu) == cfg.state_num_stages_fp32  # training
 
 
+def test_a_launch_out_of_shared_memory_is_retried_with_fewer_pipeline_stages():
+    # Triton refuses a kernel that needs more shared memory than the GPU has when it loads it, before anything
+    # runs (the fused forward state kernel with 128-wide V tiles at 3 stages: 237 KB on a 227 KB H200); the
+    # launch then goes again with one stage fewer, and the error stands only when one stage does not fit.
+    from triton.runtime.errors import OutOfResources
+
+    import k3.kernels.kda.chunk as chunk_module
+
+    tried = []
+
+    def launch(stages, fits=2):
+        tried.append(stages)
+        if stages > fits:
+            raise OutOfResources(237568, 232448, "shared memory")
+        return stages
+
+    assert chunk_module._launch_within_shared_memory(launch, 3) == 2 and tried == [3, 2]
+    tried.clear()
+    assert chunk_module._launch_within_shared_memory(launch, 1) == 1 and tried == [1]
+    tried.clear()
+    with pytest.raises(OutOfResources):
+        chunk_module._launch_within_shared_memory(lambda s: launch(s, fits=0), 2)
+    assert tried == [2, 1]
+
+
 @pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
 def test_training_intermediates_are_fp16_only_where_bounded(flags):
     # A_qk, w, qg, kd are bounded by 1 only with unit q, k and beta in (0, 1): then fp16, otherwise fp32.
