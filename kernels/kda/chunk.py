@@ -8,23 +8,22 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and
-  the last row ``G_last`` of every chunk (one program per K tile), and the inverse row norms of q and k
-  (one more program per chunk and head); (2) one program per (chunk,
-  head, 16-row strip): rows of ``A_qk`` and ``A_kk``, with the strip's diagonal block of ``A_kk`` already
-  inverted; (3) a chunk-parallel kernel assembling ``T = (I + A_kk)^-1``; (4) the WY kernel,
-  one program per (chunk, head, K or V tile): ``w``, ``u`` and the operands of the next two stages,
-  ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence, head, V tile)
-  carries the fp32 state in registers across the chunks of its sequence and writes every chunk's output
-  from the state before it (the chunk states only when they are asked for: a separate output kernel
-  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes
-  the states and ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``;
-  the reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``,
-  ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``);
-  ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
-  program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum of ``dG``, the
-  gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk and
-  sequence index tables are built on the host (vectorised, cached per layout).
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and the
+  last row ``G_last`` of every chunk (one program per K tile), and the inverse row norms of q and k (one more
+  program per chunk and head); (2) one program per (chunk, head, 16-row strip): rows of ``A_qk`` and ``A_kk``,
+  with the strip's diagonal block of ``A_kk`` already inverted; (3) a chunk-parallel kernel assembling
+  ``T = (I + A_kk)^-1``; (4) the WY kernel, one program per (chunk, head, K or V tile): ``w``, ``u`` and the
+  operands of stage 5, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence,
+  head, V tile) carries the fp32 state in registers across the chunks of its sequence and writes every chunk's
+  output from the state before it (the chunk states only when they are asked for: a separate output kernel
+  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes the
+  states and ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the
+  reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
+  two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
+  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
+  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
+  of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
+  and sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
   tiles run together and share them through L2.
@@ -49,25 +48,25 @@ Design decisions
   the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
   block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
-  (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state
-  kernel (its result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in
-  most of the backward, and split bf16 (``hi + lo``, three bf16 tensor-core products, about 16 significant
-  bits) in the backward intra-chunk kernel, where ``dG`` gathers pairwise terms that cancel exactly (each
-  ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over
-  all tokens. Without autograd (inference, prefill) the product operands that cross kernels (``A_qk``,
-  ``w``, ``u``, ``qg``, ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round
-  them to bf16 or tf32 anyway; there ``T`` is a bf16 copy and the WY products take bf16 operands, since
-  ``w`` and ``u`` are stored in bf16 right after them (inference output error 3.1e-3 -> 3.4e-3 relative
-  RMS against the fp64 reference on an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a
-  backward follows, ``u``, ``v_new`` and the states are fp32, ``A_qk``,
-  ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1 (``_bounded_operand_dtype``: same 11 significant
-  bits as the tf32 products, half the bytes; fp32 otherwise), and the states are recomputed with tf32
-  products: ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all tokens that largely cancel, so a
-  rounding anywhere upstream shows up there first. Measured with the CPU tests' fresh inputs: bf16 ``u`` or
-  ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd`` raised ``dv``'s and ``dbeta``'s, bf16 states or
-  bf16 products in the recomputation pushed ``dA_log`` past the tolerance in about one varlen test in 40,
-  and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile test in 30; fp16 ones did not in 100 runs.
-  With an fp32 input every product is exact fp32 (``input_precision="ieee"``) and every intermediate fp32.
+  (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state kernel (its
+  result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in most of the backward, and
+  split bf16 (``hi + lo``, three bf16 tensor-core products, about 16 significant bits) in the backward
+  intra-chunk kernel, where ``dG`` gathers pairwise terms that cancel exactly (each ``A[i, j]`` adds to
+  ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum them over all tokens. Without
+  autograd (inference, prefill) the product operands that cross kernels (``A_qk``, ``w``, ``u``, ``qg``,
+  ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round them to bf16 or tf32
+  anyway; there ``T`` is a bf16 copy and the WY products take bf16 operands, since ``w`` and ``u`` are stored
+  in bf16 right after them (inference output error 3.1e-3 -> 3.4e-3 relative RMS against the fp64 reference on
+  an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u``, ``v_new`` and
+  the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
+  (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
+  and the states are recomputed with tf32 products: ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all
+  tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured with the CPU
+  tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd`` raised
+  ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past the
+  tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile test
+  in 30; fp16 ones did not in 100 runs. With an fp32 input every product is exact fp32
+  (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
   bf16 outputs themselves (round to nearest even, kept in fp32 containers), round tf32 operands as the
@@ -165,17 +164,15 @@ class ChunkKDAConfig:
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
-        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32;
-            when all are 16-bit, bf16 products in the forward state kernel (the bf16 output
-            is rounded anyway), split-bf16 products in the backward intra-chunk kernel (below) and tf32
-            products everywhere else (A, the inverse, the WY factors, the rest of the backward).
-            ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products, about 16 significant
-            bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its gate gradients
-            carry errors of a few percent, because ``dG`` sums pairwise
-            terms that cancel (each ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and
-            ``dA_log`` / ``dt_bias`` sum ``dg`` over all tokens. Those pairs are formed in the backward
-            intra-chunk kernel: with tf32 there, ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of
-            the varlen test), with split products 6e-4.
+        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32; when all are
+            16-bit, bf16 products in the forward state kernel (the bf16 output is rounded anyway), split-bf16 products
+            in the backward intra-chunk kernel (below) and tf32 products everywhere else (A, the inverse, the WY
+            factors -- bf16 there without autograd, see the module notes -- the rest of the backward). ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products,
+            about 16 significant bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its
+            gate gradients carry errors of a few percent, because ``dG`` sums pairwise terms that cancel (each
+            ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum ``dg`` over all
+            tokens. Those pairs are formed in the backward intra-chunk kernel: with tf32 there, ``dt_bias``'s relative
+            error reaches 5.5e-3 (12 seeds of the varlen test), with split products 6e-4.
         recompute: keep only the inputs for the backward and run the forward's chunk-parallel stages (gate,
             strips, inverse, WY) again there, instead of keeping their outputs: about 2.1 KB less per token
             and head at K = V = 128 (``G``, ``T``, ``u`` in fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16),
@@ -212,8 +209,8 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v",
-            "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
+            "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
+            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -436,9 +433,9 @@ def _fwd_gate_kernel(
         tl.store(G + off, _cumsum(g, 0), mask=m2)
         tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
     else:
-        sq = tl.full([BT], 0.0, tl.float32)
-        sk = tl.full([BT], 0.0, tl.float32)
         if L2NORM:
+            sq = tl.full([BT], 0.0, tl.float32)
+            sk = tl.full([BT], 0.0, tl.float32)
             for kk in tl.static_range(0, K, BK):
                 c = kk + tl.arange(0, BK)
                 m2 = valid[:, None] & (c < K)[None, :]
@@ -450,8 +447,8 @@ def _fwd_gate_kernel(
             iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
             ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
         else:
-            iq = sq + 1.0
-            ik = sk + 1.0
+            iq = tl.full([BT], 1.0, dtype=tl.float32)
+            ik = tl.full([BT], 1.0, dtype=tl.float32)
         tl.store(rq + row, iq, mask=valid)
         tl.store(rk + row, ik, mask=valid)
 
@@ -521,7 +518,8 @@ def _fwd_inverse_kernel(
     Akk, Tout, chunk_start, chunk_len,
     H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): T = (I + A_kk)^-1, written over the strip kernel's output X.
+    """One (chunk, head): T = (I + A_kk)^-1 from the strip kernel's output X, written to ``Tout``: over X when a
+    backward follows (fp32), to a bf16 buffer of its own otherwise (the WY products' operand).
 
     X holds the inverted diagonal blocks D and the strictly block-lower part L of A_kk:
     I + A = (I + A_diag)(I + D L), and M = D L is block-nilpotent (M^4 = 0 for four 16-row blocks), so
