@@ -254,10 +254,9 @@ def kda_chunk_errors(fn: Callable[..., torch.Tensor], inputs: tuple, seed: int =
     applied inside, lower bound -5). ``"o (no grad)"`` is the output of a call under ``torch.no_grad()``: the
     inference path, which may keep its intermediates in lower precision than the training path that the
     gradients go through, and which the benchmark's "fwd" rows time. The same measurement serves our kernels
-    (checked against the tolerance)
-    and the peer (reported), so both are held to one reference; fp64 because the ``A_log`` and ``dt_bias``
-    gradients sum terms over all tokens that largely cancel, and an fp32 reference's own error is of the
-    order of the tolerance there.
+    (checked against the tolerance) and the peer (reported), so both are held to one reference; fp64 because
+    the ``A_log`` and ``dt_bias`` gradients sum terms over all tokens that largely cancel, and an fp32
+    reference's own error is of the order of the tolerance there.
     """
     from k3.kernels.dispatch import kda_chunk_raw_reference
 
