@@ -164,15 +164,17 @@ class ChunkKDAConfig:
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
             per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles.
-        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32; when all are
-            16-bit, bf16 products in the forward state kernel (the bf16 output is rounded anyway), split-bf16 products
-            in the backward intra-chunk kernel (below) and tf32 products everywhere else (A, the inverse, the WY
-            factors -- bf16 there without autograd, see the module notes -- the rest of the backward). ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products,
-            about 16 significant bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its
-            gate gradients carry errors of a few percent, because ``dG`` sums pairwise terms that cancel (each
-            ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum ``dg`` over all
-            tokens. Those pairs are formed in the backward intra-chunk kernel: with tf32 there, ``dt_bias``'s relative
-            error reaches 5.5e-3 (12 seeds of the varlen test), with split products 6e-4.
+        precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32; when
+            all are 16-bit, bf16 products in the forward state kernel (the bf16 output is rounded anyway),
+            split-bf16 products in the backward intra-chunk kernel (below) and tf32 products everywhere else
+            (A, the inverse, the WY factors -- bf16 there without autograd, see the module notes -- the rest
+            of the backward). ``"bf16"``, ``"tf32"``, ``"split"`` (three bf16 tensor-core products, about 16
+            significant bits), ``"ieee"``: that precision in every kernel. ``"bf16"`` is the fastest; its gate
+            gradients carry errors of a few percent, because ``dG`` sums pairwise terms that cancel (each
+            ``A[i, j]`` adds to ``dG_i`` what it takes from ``dG_j``) and ``dA_log`` / ``dt_bias`` sum ``dg``
+            over all tokens. Those pairs are formed in the backward intra-chunk kernel: with tf32 there,
+            ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of the varlen test), with split products
+            6e-4.
         recompute: keep only the inputs for the backward and run the forward's chunk-parallel stages (gate,
             strips, inverse, WY) again there, instead of keeping their outputs: about 2.1 KB less per token
             and head at K = V = 128 (``G``, ``T``, ``u`` in fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16),
@@ -1141,13 +1143,12 @@ def _launch_within_shared_memory(launch, num_stages: int):
     Each pipeline stage holds a copy of a loop iteration's tiles: the forward state kernel's 128-wide V tiles with
     the deeper pipeline of ``state_num_stages_few_programs`` need 237 KB against an H200's 227 KB. Same kernel,
     same results, a shallower pipeline instead of a failed call."""
-    for stages in range(num_stages, 0, -1):
+    for stages in range(num_stages, 1, -1):
         try:
             return launch(stages)
         except OutOfResources:
-            if stages == 1:
-                raise
-    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+            pass
+    return launch(1)
 
 
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
