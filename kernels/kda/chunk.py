@@ -128,9 +128,11 @@ class ChunkKDAConfig:
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
             backward follows); one program per (sequence, head, V tile) keeps a ``[K, state_block_v]``
-            fp32 state in registers (power of two >= 16) and writes the output of every chunk. 64 at 8 warps
-            took the state and output stages from 0.33 + 0.19 ms (two kernels) to 0.37 at 2·8192·32·128 on an
-            H200, where the fused kernel took 0.65 ms at 32 / 4 warps (docs/BENCHMARKS.md).
+            fp32 state in registers (power of two >= 16) and writes the output of every chunk. At 8 warps one
+            program fills an SM (registers), so the widest tile that still gives half the SMs a program wins: 128
+            took the kernel from 0.505 to 0.339 ms at 8·4096·16·128 on an H200 (128 programs in one wave instead
+            of 256 in two); at 2·8192·32·128 the rule in ``_state_launch`` halves it to 64 (0.37 ms, where 32 at
+            4 warps took 0.65; docs/BENCHMARKS.md).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
         state_num_stages_few_programs: the same when the kernel has fewer programs than the GPU has SMs (a few
@@ -189,7 +191,7 @@ class ChunkKDAConfig:
     num_warps: int = 4
     inverse_num_warps: int = 2
     num_stages: int = 2
-    state_block_v: int = 64
+    state_block_v: int = 128
     state_num_warps: int = 8
     state_num_stages: int = 2
     state_num_stages_few_programs: int = 3
@@ -1136,19 +1138,29 @@ def _forward_state_stages(cfg: ChunkKDAConfig, fp32: bool, programs: int, device
     return cfg.state_num_stages
 
 
-def _launch_within_shared_memory(launch, num_stages: int):
+_STAGES_THAT_FIT: dict[tuple, int] = {}  # launch key -> the deepest pipeline that fitted in shared memory
+
+
+def _launch_within_shared_memory(launch, num_stages: int, key: tuple | None = None):
     """``launch(num_stages)``, retried with one stage fewer each time the compiled kernel needs more shared memory
     than the GPU has (Triton raises ``OutOfResources`` when it loads the kernel, before anything runs).
 
     Each pipeline stage holds a copy of a loop iteration's tiles: the forward state kernel's 128-wide V tiles with
     the deeper pipeline of ``state_num_stages_few_programs`` need 237 KB against an H200's 227 KB. Same kernel,
-    same results, a shallower pipeline instead of a failed call."""
-    for stages in range(num_stages, 1, -1):
+    same results, a shallower pipeline instead of a failed call. With a ``key`` (everything that decides the
+    kernel's shared memory) the depth that fitted is remembered, so later calls launch it directly."""
+    if key is not None:
+        num_stages = _STAGES_THAT_FIT.get(key, num_stages)
+    for stages in range(num_stages, 0, -1):
         try:
-            return launch(stages)
+            result = launch(stages)
         except OutOfResources:
-            pass
-    return launch(1)
+            if stages == 1:
+                raise
+            continue
+        if key is not None:
+            _STAGES_THAT_FIT[key] = stages
+        return result
 
 
 def _alloc(shape, dtype: torch.dtype, device, poison: bool) -> Tensor:
@@ -1209,13 +1221,14 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
+    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
         STORE_FINAL=want_final, P=P, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
-    ), num_stages)  # fmt: skip
+    ), num_stages, key)  # fmt: skip
     return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
 
 

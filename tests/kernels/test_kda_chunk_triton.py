@@ -334,6 +334,13 @@ def test_a_launch_out_of_shared_memory_is_retried_with_fewer_pipeline_stages():
     with pytest.raises(OutOfResources):
         chunk_module._launch_within_shared_memory(lambda s: launch(s, fits=0), 2)
     assert tried == [2, 1]
+    # with a key, the depth that fitted is remembered: the next call launches it directly
+    key = ("test", object())
+    tried.clear()
+    assert chunk_module._launch_within_shared_memory(launch, 3, key) == 2 and tried == [3, 2]
+    tried.clear()
+    assert chunk_module._launch_within_shared_memory(launch, 3, key) == 2 and tried == [2]
+    chunk_module._STAGES_THAT_FIT.pop(key)
 
 
 @pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
