@@ -60,7 +60,8 @@ Design decisions
   an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u``, ``v_new`` and
   the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
   (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
-  and the states are recomputed with tf32 products: ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all
+  and the states are recomputed with 11 significant bits (tf32 products; with fp16 ``w`` and ``kd``, fp16
+  products on per-column scaled states, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG`` terms over all
   tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured with the CPU
   tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd`` raised
   ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past the
@@ -273,6 +274,9 @@ if _INTERPRETED:
     def _cumsum(x, axis):
         return tl.associative_scan(x, axis, tl.standard._sum_combine)
 
+    def _max(x, axis):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
+
 else:
 
     @triton.jit
@@ -286,6 +290,10 @@ else:
     @triton.jit
     def _cumsum(x, axis: tl.constexpr):
         return tl.cumsum(x, axis)
+
+    @triton.jit
+    def _max(x, axis: tl.constexpr):
+        return tl.max(x, axis)
 
 
 @_helper
@@ -350,6 +358,24 @@ def _out(x, ptr, EMU: tl.constexpr):
         if ptr.dtype.element_ty == tl.bfloat16:
             x = _round_bf16(x)
     return x
+
+
+@_helper
+def _f16_columns(x):
+    """``(x16, unit)``: the fp32 tile ``x`` as fp16 with each column scaled so that its largest magnitude lands in
+    [2^14, 2^15), and the factor back, ``x ~= x16 * unit[None, :]``. fp16 keeps the 11 significant bits of tf32,
+    and the scale keeps any column's range clear of fp16's overflow and of its subnormals."""
+    top = tl.maximum(_max(tl.abs(x), 0), 1e-30)
+    return (x * (16384.0 / top)[None, :]).to(tl.float16), top * (1.0 / 16384.0)
+
+
+@_helper
+def _dot16(a, b, EMU: tl.constexpr):
+    """a @ b of two fp16 tiles, fp32 result (an exact fp32 product of the same values under the interpreter)."""
+    if EMU:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @_helper
@@ -597,7 +623,7 @@ def _fwd_state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr, OUT: tl.constexpr,
-    STORE_FINAL: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    STORE_FINAL: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk; with ``OUT`` also
     the chunk's output O = qg S + A_qk v_new from the state before the chunk.
@@ -606,7 +632,14 @@ def _fwd_state_kernel(
     WY kernel, so the sequential loop reads a few tiles and one row per chunk. The output's two products
     do not feed the recurrence, so they overlap with the next chunk's loads instead of lengthening the
     sequential chain; the states and ``v_new`` are written only where they are wanted (``SAVE_H``,
-    ``SAVE_V_NEW``)."""
+    ``SAVE_V_NEW``).
+
+    ``F16`` (fp16 ``w`` and ``kd``, no output): the two products take fp16 operands, ``S`` and ``v_new``
+    scaled per column (``_f16_columns``), instead of converting the fp16 tiles for tf32 products: the same 11
+    significant bits, none of the conversions, and Hopper reads fp16 operands of either layout from shared
+    memory, where tf32 ones must be transposed first (the backward's recomputation at 2·8192·32·128 on an
+    H200: 0.608 -> 0.495 ms). Not used with ``OUT``: the scaled products made the fused output kernel need
+    135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -636,7 +669,11 @@ def _fwd_state_kernel(
         offk = row[:, None] * K + kc[None, :]
         offv = row[:, None] * V + vc[None, :]
         wt = tl.load(w + offk, mask=m2k, other=0.0)
-        vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
+        if F16:
+            S16, S_unit = _f16_columns(S)
+            vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot16(wt, S16, EMU) * S_unit[None, :]
+        else:
+            vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
         if SAVE_V_NEW:
             tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
         if OUT:  # the output of the chunk from the state before it: O = qg S + A_qk v_new
@@ -646,7 +683,11 @@ def _fwd_state_kernel(
             tl.store(o + offv, _out(acc, o, EMU), mask=m2v)
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
-        S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
+        if F16:
+            vn16, vn_unit = _f16_columns(vn)
+            S = S * tl.exp(Gl)[:, None] + _dot16(tl.trans(kdt), vn16, EMU) * vn_unit[None, :]
+        else:
+            S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
     if STORE_FINAL:
         tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
 
@@ -1221,13 +1262,14 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
+    f16 = out is None and kd.dtype == torch.float16 and P != 2  # see the kernel's notes
     key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
-        STORE_FINAL=want_final, P=P, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
+        STORE_FINAL=want_final, P=P, F16=f16, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
     ), num_stages, key)  # fmt: skip
     return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
 
