@@ -110,11 +110,14 @@ def kda_chunk_raw_reference(
     """
     from k3.kernels.kda.reference import kda_chunk, kda_gate
 
+    def wide(x: Tensor) -> Tensor:  # at least fp32; fp64 stays fp64 (the benchmark's reference)
+        return x.to(torch.promote_types(x.dtype, torch.float32))
+
     if use_qk_l2norm:
-        q = torch.nn.functional.normalize(q.float(), dim=-1, eps=1e-6)
-        k = torch.nn.functional.normalize(k.float(), dim=-1, eps=1e-6)
+        q = torch.nn.functional.normalize(wide(q), dim=-1, eps=1e-6)
+        k = torch.nn.functional.normalize(wide(k), dim=-1, eps=1e-6)
     g = kda_gate(g_raw, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(beta_raw.float()) if use_beta_sigmoid else beta_raw
+    beta = torch.sigmoid(wide(beta_raw)) if use_beta_sigmoid else beta_raw
     return kda_chunk(q, k, v, g, beta, **kwargs)
 
 

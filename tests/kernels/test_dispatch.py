@@ -66,6 +66,21 @@ def test_cpu_ops_run_the_references():
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
 
 
+
+def test_raw_reference_keeps_fp64_inputs_in_fp64():
+    # the benchmark's accuracy checks take this composition in fp64 as ground truth: an fp32 step inside it
+    # (the L2 norm or the sigmoid) would make the whole recurrence run in fp32
+    gen = fresh_generator()
+    B, T, H, K = 1, 9, 2, 8
+    q, k, v, g_raw = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(4))
+    beta_raw = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    A_log, dt_bias = torch.randn(H, generator=gen).double(), torch.randn(H * K, generator=gen).double()
+    o, _ = dispatch.kda_chunk_raw_reference(q, k, v, g_raw, beta_raw, A_log, dt_bias)
+    o64, _ = kda_chunk(torch.nn.functional.normalize(q, dim=-1, eps=1e-6),
+                       torch.nn.functional.normalize(k, dim=-1, eps=1e-6), v,
+                       kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw))
+    assert o.dtype == torch.float64 and rel_rms(o, o64) < 1e-12
+
 @pytest.mark.timeout(120)
 def test_forced_triton_routes_to_the_kernels(monkeypatch):
     """K3_KERNELS=triton sends CPU tensors through the Triton kernels (interpreter) with the same results."""
