@@ -62,11 +62,11 @@ Design decisions
   (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
   and the states are recomputed with 11 significant bits (tf32 products; with fp16 ``w`` and ``kd``, fp16
   products on per-column scaled states, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
-  terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured with the CPU
-  tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd`` raised
-  ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past the
-  tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile test
-  in 30; fp16 ones did not in 100 runs. With an fp32 input every product is exact fp32
+  terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
+  with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
+  raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past
+  the tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile
+  test in 30; fp16 ones did not in 100 runs. With an fp32 input every product is exact fp32
   (``input_precision="ieee"``) and every intermediate fp32.
 * The Triton interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) multiplies the raw bit patterns
   of bf16 dot operands and truncates fp32 -> bf16 casts. Under it the kernels round bf16 operands and
@@ -637,9 +637,9 @@ def _fwd_state_kernel(
     ``F16`` (fp16 ``w`` and ``kd``, tf32 products asked for, no output): the two products take fp16 operands,
     ``S`` and ``v_new`` scaled per column (``_f16_columns``), instead of converting the fp16 tiles for tf32
     products: the same 11 significant bits, none of the conversions, and Hopper reads fp16 operands of either
-    layout from shared memory, where tf32 ones must be transposed first (the backward's recomputation at 2·8192·32·128 on an
-    H200: 0.608 -> 0.495 ms). Not used with ``OUT``: the scaled products made the fused output kernel need
-    135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms."""
+    layout from shared memory, where tf32 ones must be transposed first (the backward's recomputation at
+    2·8192·32·128 on an H200: 0.608 -> 0.495 ms). Not used with ``OUT``: the scaled products made the fused
+    output kernel need 135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -1262,7 +1262,7 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
-    f16 = out is None and kd.dtype == torch.float16 and P == 3  # tf32 products asked for: see the kernel's notes
+    f16 = out is None and kd.dtype == torch.float16 and P == 3  # tf32 asked for: see the kernel's notes
     key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,

@@ -66,7 +66,6 @@ def test_cpu_ops_run_the_references():
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
 
 
-
 def test_raw_reference_keeps_fp64_inputs_in_fp64():
     # the benchmark's accuracy checks take this composition in fp64 as ground truth: an fp32 step inside it
     # (the L2 norm or the sigmoid) would make the whole recurrence run in fp32
@@ -80,6 +79,7 @@ def test_raw_reference_keeps_fp64_inputs_in_fp64():
                        torch.nn.functional.normalize(k, dim=-1, eps=1e-6), v,
                        kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw))
     assert o.dtype == torch.float64 and rel_rms(o, o64) < 1e-12
+
 
 @pytest.mark.timeout(120)
 def test_forced_triton_routes_to_the_kernels(monkeypatch):
