@@ -3,8 +3,8 @@
 For every ``--config`` (``ChunkKDAConfig`` fields as ``name=value`` pairs; the defaults when none is given) it
 times the inference forward (``torch.no_grad``, CUDA events, median of 20) and, with ``--backward``, forward +
 backward, then runs one more call under ``torch.profiler`` and prints the mean GPU time of each of our
-kernels. Use it to see which stage a change moved; ``python -m k3.kernels.bench`` stays the measurement against
-the peer. ``--rev REV`` adds the kernels as of a git revision (``kernels/kda/chunk.py`` at ``REV``, with that
+kernels, and the GPU memory one call allocates at its peak. Use it to see which stage a change moved;
+``python -m k3.kernels.bench`` stays the measurement against the peer. ``--rev REV`` adds the kernels as of a git revision (``kernels/kda/chunk.py`` at ``REV``, with that
 revision's default config) to the same table, so a change is timed against its predecessor in one process;
 ``--source FILE`` does the same for an edited copy of that module (a variant under development, or a tree
 copied without its git history).
@@ -121,6 +121,18 @@ def _kernel_means(fn) -> dict[str, float]:
     }
 
 
+def _peak_mib(fn) -> float:
+    """GPU memory one call of ``fn`` allocates at its peak, above what was allocated before it (MiB)."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=4, default=[2, 8192, 32, 128], metavar=("B", "T", "H", "D"))
@@ -173,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, fn in passes:
             ms = time_ms(fn, warmup=5, iters=20)
             stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn).items())
-            print(f"  {label:8s} {ms:8.3f} ms | per kernel (ms): {stages}")
+            print(f"  {label:8s} {ms:8.3f} ms, peak {_peak_mib(fn):6.0f} MiB | per kernel (ms): {stages}")
     return 0
 
 
