@@ -4,10 +4,10 @@ For every ``--config`` (``ChunkKDAConfig`` fields as ``name=value`` pairs; the d
 times the inference forward (``torch.no_grad``, CUDA events, median of 20) and, with ``--backward``, forward +
 backward, then runs one more call under ``torch.profiler`` and prints the mean GPU time of each of our
 kernels, and the GPU memory one call allocates at its peak. Use it to see which stage a change moved;
-``python -m k3.kernels.bench`` stays the measurement against the peer. ``--rev REV`` adds the kernels as of a git revision (``kernels/kda/chunk.py`` at ``REV``, with that
-revision's default config) to the same table, so a change is timed against its predecessor in one process;
-``--source FILE`` does the same for an edited copy of that module (a variant under development, or a tree
-copied without its git history).
+``python -m k3.kernels.bench`` stays the measurement against the peer. ``--rev REV`` adds the kernels as of a
+git revision (``kernels/kda/chunk.py`` at ``REV``, with that revision's default config) to the same table, so a
+change is timed against its predecessor in one process; ``--source FILE`` does the same for an edited copy of
+that module (a variant under development, or a tree copied without its git history).
 
     python ops/bench/kda_stages.py --backward
     python ops/bench/kda_stages.py --config num_warps=8 --config state_block_v=64,state_num_warps=8
