@@ -18,8 +18,8 @@ Design decisions
   output from the state before it (the chunk states only when they are asked for: a separate output kernel
   that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37); with a backward to follow
   it also writes the chunk states and ``v_new`` for it, which the backward used to recompute with a second pass
-  of stage 5. Backward: ``dA_qk`` and the intra-chunk part of ``dv_new``; the reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
-  two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
+  of stage 5. Backward: ``dA_qk`` and the intra-chunk part of ``dv_new``; the reverse state recurrence
+  (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
   inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
   ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
   of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
@@ -141,8 +141,8 @@ class ChunkKDAConfig:
             loads' latency (one sequence of 32768 tokens, 32 heads: 1.07 -> 0.86 ms at 3 stages; with more
             programs than SMs 3 stages were slower than 2).
         state_block_v_fp32: V tile of the forward state kernel when ``u`` and the states are fp32 (a
-            backward follows: the training forward, which keeps the states for it; or the inputs are fp32). The three state V tiles
-            are the widest used: with few (sequence, head) pairs they are halved until at least half the
+            backward follows: the training forward, which keeps the states for it; or the inputs are fp32).
+            The three state V tiles are the widest used: with few (sequence, head) pairs they are halved until at least half the
             GPU's SMs get a program, and tiles of 32 or less run on at most 4 warps.
         state_num_warps_fp32: warps per program of that kernel.
         state_num_stages_fp32: pipelining depth of its loop over chunks.
@@ -1317,8 +1317,8 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     _, _, _, Aqk, _, w, u, qg, kd, gl = inter
     o = _alloc((layout.n_tokens, H, V), v.dtype, dev, cfg.poison)
     keep = not meta.lean and not cfg.recompute
-    # with a backward the recurrence is always tf32 (meta.prec): the states the backward recomputes, with
-    # ``recompute``, are then the same bits as the ones kept here
+    # with a backward the recurrence runs at the backward's precision (meta.prec): the states that
+    # ``recompute`` computes again in the backward are then the same bits as the ones kept here
     h, v_new, ht = _run_state_forward(
         kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec_fwd if meta.lean else meta.prec,
         h_dtype=torch.float32 if (want_chunks or keep) else None, v_new_dtype=torch.float32 if keep else None,
