@@ -274,9 +274,6 @@ if _INTERPRETED:
     def _cumsum(x, axis):
         return tl.associative_scan(x, axis, tl.standard._sum_combine)
 
-    def _max(x, axis):
-        return tl.reduce(x, axis, tl.standard._elementwise_max)
-
 else:
 
     @triton.jit
@@ -290,10 +287,6 @@ else:
     @triton.jit
     def _cumsum(x, axis: tl.constexpr):
         return tl.cumsum(x, axis)
-
-    @triton.jit
-    def _max(x, axis: tl.constexpr):
-        return tl.max(x, axis)
 
 
 @_helper
