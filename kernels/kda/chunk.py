@@ -18,12 +18,13 @@ Design decisions
   output from the state before it (the chunk states only when they are asked for: a separate output kernel
   that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37); with a backward to follow
   it also writes the chunk states and ``v_new`` for it, which the backward used to recompute with a second pass
-  of stage 5. Backward: ``dA_qk`` and the intra-chunk part of ``dv_new``; the reverse state recurrence
-  (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
-  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
-  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
-  of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
-  and sequence index tables are built on the host (vectorised, cached per layout).
+  of stage 5. Backward: ``dA_qk``; the reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d
+  initial_state``); the WY-transform gradients in two kernels, the V side (``dv``, ``du u^T``) and one program
+  per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw
+  w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a
+  per-chunk kernel for the reverse cumulative sum of ``dG``, the gate's backward, the L2-norm and the sigmoid
+  backward. No Python loop runs over chunks: chunk and sequence index tables are built on the host
+  (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
   tiles run together and share them through L2.
@@ -662,15 +663,13 @@ def _fwd_state_kernel(
 
 @triton.jit
 def _bwd_dav_kernel(
-    v_new, do, Aqk, dAq, dvn,
+    v_new, do, dAq,
     chunk_start, chunk_len,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head): the two products of the output's intra-chunk term ``A_qk v_new``: dA_qk = dO v_new^T
-    (masked j <= i) and the intra-chunk part of dv_new, ``A_qk^T dO``, which the backward state kernel then
-    completes with ``kd dS``. Neither depends on the reverse recurrence, so they run here, chunk-parallel, and
-    the sequential kernel neither loads ``A_qk`` nor transposes it."""
+    """One (chunk, head): dA_qk = dO v_new^T (masked j <= i). The other product of this pair, the
+    intra-chunk ``A_qk^T dO`` of dv_new, is formed in the backward state kernel, which loads dO anyway."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -680,7 +679,6 @@ def _bwd_dav_kernel(
     tok = t0 + r
     row = tok * H + i_h  # token-major row index of (token, head)
     offA = row[:, None] * BT + cc[None, :]
-    AqT = tl.trans(tl.load(Aqk + offA, mask=valid[:, None], other=0.0))
     dA = tl.full([BT, BT], 0.0, tl.float32)
     for vv in tl.static_range(0, V, BV):
         c = vv + tl.arange(0, BV)
@@ -689,14 +687,13 @@ def _bwd_dav_kernel(
         dot_ = tl.load(do + off, mask=m2, other=0.0).to(tl.float32)
         vn = tl.load(v_new + off, mask=m2, other=0.0)
         dA += _dot(dot_, tl.trans(vn), P, EMU)
-        tl.store(dvn + off, _dot(AqT, dot_, P, EMU), mask=m2)
     dA = tl.where(valid[:, None] & (cc[None, :] <= r[:, None]), dA, 0.0)
     tl.store(dAq + offA, dA, mask=valid[:, None])
 
 
 @triton.jit
 def _bwd_state_kernel(
-    qg, kd, gl, w, do, dht, dh_out, dvn, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dh_out, dvn, dh0,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -705,8 +702,7 @@ def _bwd_state_kernel(
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
     dv_new = A_qk^T dO + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
-    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay. ``dvn``
-    holds ``A_qk^T dO`` on entry (``_bwd_dav_kernel``) and dv_new on return."""
+    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -737,7 +733,8 @@ def _bwd_state_kernel(
         offv = row[:, None] * V + vc[None, :]
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
-        dv_ = tl.load(dvn + offv, mask=m2v, other=0.0) + _dot(kdt, dS, P, EMU)
+        AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
+        dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
         tl.store(dvn + offv, dv_, mask=m2v)
         qgt = tl.load(qg + offk, mask=m2k, other=0.0)
         wt = tl.load(w + offk, mask=m2k, other=0.0)
@@ -1339,17 +1336,17 @@ def _backward(do, dht, saved, layout, meta):
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
-    dvn = _alloc((NT, H, V), f32, dev, poison)
     _bwd_dav_kernel[(N * H,)](
-        v_new, do, Aqk, dAq, dvn, layout.chunk_start, layout.chunk_len,
+        v_new, do, dAq, layout.chunk_start, layout.chunk_len,
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
 
     dh = _alloc((N, H, K, V), f32, dev, poison)
+    dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     BV, num_warps = _state_launch(cfg.bwd_state_block_v, cfg.bwd_state_num_warps, layout.n_seqs * H, V, dev)
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        qg, kd, gl, w, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
+        qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         P=meta.prec, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
