@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import re
 import subprocess
@@ -106,7 +107,9 @@ def _import_as(name: str, path: Path):
     return module
 
 
-def _kernel_means(fn) -> dict[str, float]:
+def _kernel_means(fn, ours: bool = True) -> dict[str, float]:
+    """Mean GPU time (ms) of each kernel of one call of ``fn``: our ``_*_kernel`` kernels (short names), or with
+    ``ours=False`` every kernel (a peer's names are its own)."""
     import torch
 
     fn()
@@ -114,11 +117,15 @@ def _kernel_means(fn) -> dict[str, float]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {
-        e.key.removesuffix("_kernel").lstrip("_"): e.device_time_total / e.count / 1e3
-        for e in prof.key_averages()
-        if e.key.startswith("_") and e.key.endswith("_kernel")
-    }
+    means = {}
+    for e in prof.key_averages():
+        if e.device_time_total <= 0:
+            continue
+        if not ours:
+            means[e.key[:48]] = e.device_time_total / e.count / 1e3
+        elif e.key.startswith("_") and e.key.endswith("_kernel"):
+            means[e.key.removesuffix("_kernel").lstrip("_")] = e.device_time_total / e.count / 1e3
+    return means
 
 
 def _peak_mib(fn) -> float:
@@ -141,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rev", action="append", default=[], help="also time the kernels as of this git revision")
     p.add_argument("--source", action="append", default=[], metavar="FILE",
                    help="also time the kernels of this copy of kernels/kda/chunk.py")
+    p.add_argument("--peer", action="store_true",
+                   help="also time fla-core's chunk_kda on the same inputs, with each of its kernels")
     args = p.parse_args(argv)
     try:
         configs = [parse_config(text) for text in args.config] or [parse_config("")]
@@ -170,21 +179,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     q, k, v, g_raw, beta_raw, A_log, dt_bias = _kda_inputs(B, T, H, D, dev, requires_grad=args.backward)
     do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
     print(f"B{B} T{T} H{H} D{D} on {torch.cuda.get_device_name(0)}")
-    for title, kda, cfg in runs:
+    calls = [(title, functools.partial(kda, config=cfg), True) for title, kda, cfg in runs]
+    if args.peer:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-        def forward(kda=kda, cfg=cfg):
+        peer = functools.partial(fla_chunk_kda, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+        calls.append(("fla-core chunk_kda (safe gate, lower bound -5, gate/L2/beta in kernel)", peer, False))
+    for title, kda, ours in calls:
+
+        def forward(kda=kda):
             with torch.no_grad():
-                return kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
+                return kda(q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias)
 
-        def forward_backward(kda=kda, cfg=cfg):
-            o, _ = kda(q, k, v, g_raw, beta_raw, A_log, dt_bias, config=cfg)
+        def forward_backward(kda=kda):
+            o, _ = kda(q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias)
             o.backward(do)
 
         print(f"\n{title}")
         passes = [("fwd", forward)] + ([("fwd+bwd", forward_backward)] if args.backward else [])
         for label, fn in passes:
             ms = time_ms(fn, warmup=5, iters=20)
-            stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn).items())
+            stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn, ours).items())
             print(f"  {label:8s} {ms:8.3f} ms, peak {_peak_mib(fn):6.0f} MiB | per kernel (ms): {stages}")
     return 0
 
