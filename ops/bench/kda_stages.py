@@ -7,12 +7,14 @@ kernels, and the GPU memory one call allocates at its peak. Use it to see which 
 ``python -m k3.kernels.bench`` stays the measurement against the peer. ``--rev REV`` adds the kernels as of a
 git revision (``kernels/kda/chunk.py`` at ``REV``, with that revision's default config) to the same table, so a
 change is timed against its predecessor in one process; ``--source FILE`` does the same for an edited copy of
-that module (a variant under development, or a tree copied without its git history).
+that module (a variant under development, or a tree copied without its git history). ``--peer`` adds
+fla-core's ``chunk_kda`` on the same inputs, with the time of each of its kernels.
 
     python ops/bench/kda_stages.py --backward
     python ops/bench/kda_stages.py --config num_warps=8 --config state_block_v=64,state_num_warps=8
     python ops/bench/kda_stages.py --backward --rev HEAD~1
     python ops/bench/kda_stages.py --backward --source /tmp/chunk_variant.py
+    python ops/bench/kda_stages.py --backward --peer
 
 Needs a CUDA GPU (exit status 2 without one).
 """
