@@ -201,7 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{title}")
         passes = [("fwd", forward)] + ([("fwd+bwd", forward_backward)] if args.backward else [])
         for label, fn in passes:
-            ms = time_ms(fn, warmup=5, iters=20)
+            try:
+                ms = time_ms(fn, warmup=5, iters=20)
+            except Exception as exc:  # a variant that fails to build or run is reported; the others still run
+                print(f"  {label:8s} failed: {type(exc).__name__}: {str(exc)[:400]}")
+                break
             stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn, ours).items())
             print(f"  {label:8s} {ms:8.3f} ms, peak {_peak_mib(fn):6.0f} MiB | per kernel (ms): {stages}")
     return 0
