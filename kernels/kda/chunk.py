@@ -58,10 +58,11 @@ Design decisions
   ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round them to bf16 or tf32
   anyway; there ``T`` is a bf16 copy and the WY products take bf16 operands, since ``w`` and ``u`` are stored
   in bf16 right after them (inference output error 3.1e-3 -> 3.4e-3 relative RMS against the fp64 reference on
-  an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u``, ``v_new`` and
-  the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
-  (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
-  and the states are computed with 11 significant bits (tf32 products in the recurrence, bf16 ones for the
+  an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u`` is fp32,
+  ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1 (``_bounded_operand_dtype``: same 11
+  significant bits as the tf32 products, half the bytes; fp32 otherwise), ``v_new``, the chunk states and the
+  backward's ``dS`` per chunk fp16 scaled per column (``_kept_dtypes``, ``_f16_columns``: 11 bits again, and
+  any scale of the data), and the states are computed with 11 significant bits (tf32 products in the recurrence, bf16 ones for the
   output beside it, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
   terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
   with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
