@@ -64,8 +64,7 @@ Design decisions
   backward's ``dS`` per chunk fp16 scaled per column (``_kept_dtypes``, ``_f16_columns``: 11 bits again, and
   any scale of the data), and the states are computed with 11 significant bits (tf32 products in the
   recurrence, bf16 ones for the output beside it, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum
-  ``dG``
-  terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
+  ``dG`` terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
   with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
   raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the state recurrence pushed ``dA_log`` past
   the tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile
