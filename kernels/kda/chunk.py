@@ -181,9 +181,9 @@ class ChunkKDAConfig:
             6e-4.
         recompute: keep only the inputs for the backward and run the forward's stages (gate, strips, inverse,
             WY, the state recurrence without the output) again there, instead of keeping their outputs: about
-            3.6 KB less per token and head at K = V = 128 (``G``, ``T``, ``u``, ``v_new`` and the chunk states in
-            fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16), for those stages' time once more. The gradients are
-            the same bits.
+            2.9 KB less per token and head at K = V = 128 (``G``, ``T``, ``u`` in fp32; ``A_qk``, ``w``, ``qg``,
+            ``kd``, ``v_new`` and the chunk states in fp16), for those stages' time once more. The gradients
+            are the same bits.
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
