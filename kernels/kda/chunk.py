@@ -58,13 +58,12 @@ Design decisions
   ``kd``, ``v_new``, the states) are bf16, half the bytes, since the products round them to bf16 or tf32
   anyway; there ``T`` is a bf16 copy and the WY products take bf16 operands, since ``w`` and ``u`` are stored
   in bf16 right after them (inference output error 3.1e-3 -> 3.4e-3 relative RMS against the fp64 reference on
-  an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u`` is fp32,
-  ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1 (``_bounded_operand_dtype``: same 11
-  significant bits as the tf32 products, half the bytes; fp32 otherwise), ``v_new``, the chunk states and the
-  backward's ``dS`` per chunk fp16 scaled per column (``_kept_dtypes``, ``_f16_columns``: 11 bits again, and
-  any scale of the data), and the states are computed with 11 significant bits (tf32 products in the
-  recurrence, bf16 ones for the output beside it, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum
-  ``dG`` terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
+  an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u``, ``v_new`` and
+  the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
+  (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
+  and the states are computed with 11 significant bits (tf32 products in the recurrence, bf16 ones for the
+  output beside it, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
+  terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
   with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
   raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the state recurrence pushed ``dA_log`` past
   the tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile
@@ -181,9 +180,9 @@ class ChunkKDAConfig:
             6e-4.
         recompute: keep only the inputs for the backward and run the forward's stages (gate, strips, inverse,
             WY, the state recurrence without the output) again there, instead of keeping their outputs: about
-            2.9 KB less per token and head at K = V = 128 (``G``, ``T``, ``u`` in fp32; ``A_qk``, ``w``, ``qg``,
-            ``kd``, ``v_new`` and the chunk states in fp16), for those stages' time once more. The gradients
-            are the same bits.
+            3.6 KB less per token and head at K = V = 128 (``G``, ``T``, ``u``, ``v_new`` and the chunk states in
+            fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16), for those stages' time once more. The gradients are
+            the same bits.
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
@@ -270,9 +269,6 @@ if _INTERPRETED:
     def _sum(x, axis):
         return tl.reduce(x, axis, tl.standard._sum_combine)
 
-    def _max(x, axis):
-        return tl.reduce(x, axis, tl.standard._elementwise_max)
-
     def _revcumsum(x, axis):
         return tl.associative_scan(x, axis, tl.standard._sum_combine, reverse=True)
 
@@ -284,10 +280,6 @@ else:
     @triton.jit
     def _sum(x, axis: tl.constexpr):
         return tl.sum(x, axis)
-
-    @triton.jit
-    def _max(x, axis: tl.constexpr):
-        return tl.max(x, axis)
 
     @triton.jit
     def _revcumsum(x, axis: tl.constexpr):
@@ -359,29 +351,6 @@ def _out(x, ptr, EMU: tl.constexpr):
     if EMU:
         if ptr.dtype.element_ty == tl.bfloat16:
             x = _round_bf16(x)
-    return x
-
-
-@_helper
-def _f16_columns(x):
-    """``(x16, unit)``: the fp32 tile ``x`` as fp16, every column scaled by a power of two that puts its
-    largest magnitude in [2^14, 2^15), and the factor back: ``x16 * unit[None, :]`` is x rounded to 11
-    significant bits. fp16 keeps tf32's 11 significant bits, and the scale keeps each column clear of fp16's
-    overflow and subnormals whatever the data's scale. Both factors are built from exponent bits: exact, and
-    the same bits on the GPU and under the interpreter."""
-    top_exp = (_max(tl.abs(x), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # column max's biased exponent
-    up = tl.minimum(tl.maximum(268 - top_exp, 1), 253)  # biased exponent of 2^(14 - floor(log2 max))
-    unit = ((254 - up) << 23).to(tl.float32, bitcast=True)
-    return (x * (up << 23).to(tl.float32, bitcast=True)[None, :]).to(tl.float16), unit
-
-
-@_helper
-def _load_f16_columns(ptr, off, mask, unit_ptr, unit_off, unit_mask, F16: tl.constexpr):
-    """A tile written by ``_f16_columns`` (``F16``; ``unit_off`` indexes its columns' factors) or a plain fp32
-    tile, as fp32."""
-    x = tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
-    if F16:
-        x = x * tl.load(unit_ptr + unit_off, mask=unit_mask, other=0.0)[None, :]
     return x
 
 
@@ -625,13 +594,12 @@ def _fwd_wy_kernel(
 
 @triton.jit
 def _fwd_state_kernel(
-    kd, gl, w, u, h0, h_out, h_unit, v_new, vn_unit, ht, qg, Aqk, o,
+    kd, gl, w, u, h0, h_out, v_new, ht, qg, Aqk, o,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr,
-    H16: tl.constexpr, V16: tl.constexpr,
-    OUT: tl.constexpr, STORE_FINAL: tl.constexpr, P: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr,
+    HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr, OUT: tl.constexpr,
+    STORE_FINAL: tl.constexpr, P: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk; with ``OUT`` also
     the chunk's output O = qg S + A_qk v_new from the state before the chunk.
@@ -645,9 +613,7 @@ def _fwd_state_kernel(
     ``PS`` is the precision of the recurrence's two products, ``P`` that of the output's. A training forward
     keeps its states and ``v_new`` for the backward, which needs them to tf32's 11 significant bits, while
     the output is rounded to bf16 anyway: so one launch gives both, where the backward used to recompute the
-    states with a second pass of this kernel. ``H16`` / ``V16``: the states / ``v_new`` are stored as fp16
-    scaled per column (``_f16_columns``), their factors in ``h_unit`` / ``vn_unit`` (one per chunk, head and
-    V column)."""
+    states with a second pass of this kernel."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -670,14 +636,8 @@ def _fwd_state_kernel(
         t0 = s0 + ci * BT
         valid = r < L - ci * BT
         row = (t0 + r) * H + i_h  # token-major row index of (token, head)
-        uoff = ((c0 + ci) * H + i_h) * V + vc  # the factors of this chunk's scaled fp16 columns
         if SAVE_H:
-            if H16:
-                S16, S_unit = _f16_columns(S)
-                tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, S16, mask=hm)
-                tl.store(h_unit + uoff, S_unit, mask=vm)
-            else:
-                tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, _out(S, h_out, EMU), mask=hm)
+            tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, _out(S, h_out, EMU), mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
@@ -685,12 +645,7 @@ def _fwd_state_kernel(
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, PS, EMU)
         if SAVE_V_NEW:
-            if V16:
-                vn16, vn_u = _f16_columns(vn)
-                tl.store(v_new + offv, vn16, mask=m2v)
-                tl.store(vn_unit + uoff, vn_u, mask=vm)
-            else:
-                tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
+            tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
         if OUT:  # the output of the chunk from the state before it: O = qg S + A_qk v_new
             acc = _dot(tl.load(qg + offk, mask=m2k, other=0.0), S, P, EMU)
             Aq = tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0)
@@ -708,10 +663,10 @@ def _fwd_state_kernel(
 
 @triton.jit
 def _bwd_dav_kernel(
-    v_new, vn_unit, do, dAq,
+    v_new, do, dAq,
     chunk_start, chunk_len,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    V16: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head): dA_qk = dO v_new^T (masked j <= i). The other product of this pair, the
     intra-chunk ``A_qk^T dO`` of dv_new, is formed in the backward state kernel, which loads dO anyway."""
@@ -730,7 +685,7 @@ def _bwd_dav_kernel(
         m2 = valid[:, None] & (c < V)[None, :]
         off = row[:, None] * V + c[None, :]
         dot_ = tl.load(do + off, mask=m2, other=0.0).to(tl.float32)
-        vn = _load_f16_columns(v_new, off, m2, vn_unit, (i_c.to(tl.int64) * H + i_h) * V + c, c < V, V16)
+        vn = tl.load(v_new + off, mask=m2, other=0.0)
         dA += _dot(dot_, tl.trans(vn), P, EMU)
     dA = tl.where(valid[:, None] & (cc[None, :] <= r[:, None]), dA, 0.0)
     tl.store(dAq + offA, dA, mask=valid[:, None])
@@ -738,17 +693,16 @@ def _bwd_dav_kernel(
 
 @triton.jit
 def _bwd_state_kernel(
-    qg, kd, gl, w, Aqk, do, dht, dh_out, dh_unit, dvn, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dh_out, dvn, dh0,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DH16: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
     dv_new = A_qk^T dO + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
-    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay. ``DH16``:
-    dS is stored as fp16 scaled per column (``_f16_columns``), the factors in ``dh_unit``."""
+    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -772,12 +726,7 @@ def _bwd_state_kernel(
         ci = nch - 1 - cj
         valid = r < L - ci * BT
         row = (s0 + ci * BT + r) * H + i_h  # token-major row index of (token, head)
-        if DH16:
-            dS16, dS_unit = _f16_columns(dS)
-            tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS16, mask=hm)
-            tl.store(dh_unit + ((c0 + ci) * H + i_h) * V + vc, dS_unit, mask=vm)
-        else:
-            tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
+        tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
@@ -830,12 +779,11 @@ def _bwd_wy_v_kernel(
 
 @triton.jit
 def _bwd_wy_k_kernel(
-    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, vn_unit, dvn, h, h_unit, dh, dh_unit, do,
+    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
     dqh, dkh, dGh, dAk_part, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, SLOT0: tl.constexpr,
-    H16: tl.constexpr, V16: tl.constexpr, DH16: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, K tile): gradients through the inter-chunk terms and w = T (beta k exp(G)).
@@ -858,7 +806,6 @@ def _bwd_wy_k_kernel(
     dkt = tl.full([BT, BK], 0.0, tl.float32)  # v_new dS'^T
     dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
     hbase = (i_c.to(tl.int64) * H + i_h) * K * V
-    ubase = (i_c.to(tl.int64) * H + i_h) * V  # the chunk's column factors of scaled fp16 tiles
     # a runtime loop: unrolled (static_range), every V tile's loads were issued up front and the kernel spilled
     # 616 bytes per thread; as a loop it is 1.94 -> 1.64 ms at 2·8192·32·128 on an H200 (same tiles)
     for vv in range(0, V, BV):
@@ -868,11 +815,11 @@ def _bwd_wy_k_kernel(
         offv = row[:, None] * V + cv[None, :]
         hoff = hbase + c[:, None] * V + cv[None, :]
         hm = cm[:, None] & vm[None, :]
-        hs = _load_f16_columns(h, hoff, hm, h_unit, ubase + cv, vm, H16)
-        dhs = _load_f16_columns(dh, hoff, hm, dh_unit, ubase + cv, vm, DH16)
+        hs = tl.load(h + hoff, mask=hm, other=0.0)
+        dhs = tl.load(dh + hoff, mask=hm, other=0.0)
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
-        vnt = _load_f16_columns(v_new, offv, m2v, vn_unit, ubase + cv, vm, V16)
+        vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
         hsT = tl.trans(hs)
         dqi += _dot(dot_, hsT, P, EMU)
         dw -= _dot(dvt, hsT, P, EMU)
@@ -1263,60 +1210,34 @@ def _bounded_operand_dtype(meta: _Meta) -> torch.dtype:
     return torch.float32
 
 
-def _kept_dtypes(meta: _Meta, want_chunks: bool) -> tuple[torch.dtype, torch.dtype]:
-    """Storage of the chunk states and of ``v_new`` kept for the backward: fp16 scaled per column
-    (``_f16_columns``) where every product that reads them rounds its operands to 11 significant bits or fewer
-    (tf32 or bf16 products, ``meta.prec``), fp32 otherwise (exact fp32 or split products). Chunk states the
-    caller asked for are fp32 whatever the precision: they leave the op. Half the bytes of the largest
-    tensors of the backward: at 2·8192·32·128 the states are 537 MB in fp32, ``v_new`` 268 MB, and the
-    backward's ``dS`` per chunk (``_backward``) as many as the states."""
-    f16 = torch.float16 if meta.prec in (0, 3) else torch.float32
-    return (torch.float32 if want_chunks else f16), f16
-
-
-def _column_units(shape, dtype: torch.dtype, dev, poison: bool) -> Tensor | None:
-    """The per-column factors of a scaled fp16 tensor (``[chunks, H, V]``), or None for an fp32 one."""
-    return _alloc(shape, torch.float32, dev, poison) if dtype == torch.float16 else None
-
-
 def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, PS, h_dtype, v_new_dtype, want_final, out=None):
     """Stage 5: the states before every chunk, ``v_new`` and the final state; ``out = (qg, Aqk, o)`` also writes the
-    output, chunk by chunk from the state in registers. Returns ``(h, h_unit, v_new, vn_unit, final state)``.
+    output, chunk by chunk from the state in registers.
 
     ``P`` / ``PS``: product precision of the output / of the recurrence. The states are written when
-    ``h_dtype`` is given and ``v_new`` when ``v_new_dtype`` is, fp16 ones scaled per column with their factors
-    in ``h_unit`` / ``vn_unit``; None is returned for those not written."""
+    ``h_dtype`` is given and ``v_new`` when ``v_new_dtype`` is; None is returned for those not written."""
     _, H, K = kd.shape
     V = u.shape[-1]
     cfg, dev = meta.cfg, kd.device
     save_h, save_v_new = h_dtype is not None, v_new_dtype is not None
     h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison) if save_h else gl
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison) if save_v_new else gl
-    h_unit = _column_units((layout.n_chunks, H, V), h_dtype, dev, cfg.poison)
-    vn_unit = _column_units((layout.n_chunks, H, V), v_new_dtype, dev, cfg.poison)
     qg, Aqk, o = out if out is not None else (gl, gl, gl)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
     fp32 = u.dtype == torch.float32
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
-    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, h_dtype, v_new_dtype,
+    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, save_v_new,
            out is None, P, PS)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        kd, gl, w, u, _or(h0, gl), h, _or(h_unit, gl), v_new, _or(vn_unit, gl), ht, qg, Aqk, o,
+        kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
-        HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=save_v_new, H16=h_unit is not None,
-        V16=vn_unit is not None, OUT=out is not None, STORE_FINAL=want_final, P=P, PS=PS, EMU=meta.emu,
-        num_warps=num_warps, num_stages=stages,
+        HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=save_v_new, OUT=out is not None,
+        STORE_FINAL=want_final, P=P, PS=PS, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
     ), num_stages, key)  # fmt: skip
-    h, v_new = (h if save_h else None), (v_new if save_v_new else None)
-    return h, h_unit, v_new, vn_unit, (ht if want_final else None)
-
-
-def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
-    """``t``, or a placeholder pointer for a kernel argument its compile-time switches leave unread."""
-    return placeholder if t is None else t
+    return (h if save_h else None), (v_new if save_v_new else None), (ht if want_final else None)
 
 
 def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
@@ -1378,8 +1299,7 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
 
     What the backward keeps: nothing without one (``meta.lean``); only the inputs with
     ``ChunkKDAConfig.recompute``; else the chunk-parallel stages' outputs and, from the state kernel, the chunk
-    states and ``v_new`` (``_kept_dtypes``; the recurrence then runs on tf32 products, see
-    ``_fwd_state_kernel``)."""
+    states and ``v_new`` in fp32 (the recurrence then runs on tf32 products, see ``_fwd_state_kernel``)."""
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev = meta.cfg, q.device
@@ -1389,23 +1309,21 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     keep = not meta.lean and not cfg.recompute
     # with a backward the recurrence runs at the backward's precision (meta.prec): the states that
     # ``recompute`` computes again in the backward are then the same bits as the ones kept here
-    h_dtype, v_new_dtype = _kept_dtypes(meta, want_chunks)
-    h, h_unit, v_new, vn_unit, ht = _run_state_forward(
+    h, v_new, ht = _run_state_forward(
         kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec_fwd if meta.lean else meta.prec,
-        h_dtype=torch.float32 if want_chunks else h_dtype if keep else None,
-        v_new_dtype=v_new_dtype if keep else None, want_final=want_final, out=(qg, Aqk, o),
+        h_dtype=torch.float32 if (want_chunks or keep) else None, v_new_dtype=torch.float32 if keep else None,
+        want_final=want_final, out=(qg, Aqk, o),
     )  # fmt: skip
     kept = () if meta.lean else (q, k, v, g_raw, beta_raw, A_log, dt_bias, h0)
     if keep:
-        kept = (*kept, *inter, h, h_unit, v_new, vn_unit)
+        kept = (*kept, *inter, h, v_new)
     return o, ht, h, kept
 
 
 def _backward(do, dht, saved, layout, meta):
-    """``saved``: the inputs, the chunk-parallel stages' outputs, the chunk states and ``v_new`` with their
-    column factors (see ``_forward``)."""
-    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0 = saved[:8]
-    G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl, h, h_unit, v_new, vn_unit = saved[8:]
+    """``saved``: the inputs, the chunk-parallel stages' outputs, the chunk states and ``v_new`` (see
+    ``_forward``)."""
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl, h, v_new = saved
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
@@ -1419,22 +1337,19 @@ def _backward(do, dht, saved, layout, meta):
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_dav_kernel[(N * H,)](
-        v_new, _or(vn_unit, gl), do, dAq, layout.chunk_start, layout.chunk_len,
-        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, V16=vn_unit is not None, P=meta.prec, EMU=meta.emu, **chunked,
+        v_new, do, dAq, layout.chunk_start, layout.chunk_len,
+        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
 
-    _, dh_dtype = _kept_dtypes(meta, False)  # dS per chunk: stored like v_new
-    dh = _alloc((N, H, K, V), dh_dtype, dev, poison)
-    dh_unit = _column_units((N, H, V), dh_dtype, dev, poison)
+    dh = _alloc((N, H, K, V), f32, dev, poison)
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     BV, num_warps = _state_launch(cfg.bwd_state_block_v, cfg.bwd_state_num_warps, layout.n_seqs * H, V, dev)
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        qg, kd, gl, w, Aqk, do, _or(dht, gl), dh, _or(dh_unit, gl), dvn, _or(dh0, gl),
+        qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        DH16=dh_unit is not None, P=meta.prec, EMU=meta.emu, num_warps=num_warps,
-        num_stages=cfg.bwd_state_num_stages,
+        P=meta.prec, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, Aqk
 
@@ -1450,14 +1365,12 @@ def _backward(do, dht, saved, layout, meta):
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
     _bwd_wy_k_kernel[(N * H * nkb,)](
-        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, _or(vn_unit, G), dvn,
-        h, _or(h_unit, G), dh, _or(dh_unit, G), do,
+        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
         dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, H16=h_unit is not None,
-        V16=vn_unit is not None, DH16=dh_unit is not None, BETA_SIGMOID=meta.beta_sigmoid,
+        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    del h, h_unit, dh, dh_unit, dvn, v_new, vn_unit
+    del h, dh, dvn, v_new
     dAk = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_dak_kernel[(N * H,)](
         Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,
@@ -1490,19 +1403,18 @@ def _backward(do, dht, saved, layout, meta):
     return dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0
 
 
-def _recompute(inputs, layout, meta, want_chunks):
+def _recompute(inputs, layout, meta):
     """What ``_forward`` keeps for the backward beyond the inputs, computed again from them (with
-    ``ChunkKDAConfig.recompute``): the same kernels with the same product precisions and storage on the same
-    inputs, so the same bits; the state kernel runs without the output this time."""
+    ``ChunkKDAConfig.recompute``): the same kernels with the same product precisions on the same inputs, so the
+    same bits; the state kernel runs without the output this time."""
     q, k, v, g_raw, beta_raw, A_log, dt_bias, h0 = inputs
     inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
     _, _, _, _, _, w, u, _, kd, gl = inter
-    h_dtype, v_new_dtype = _kept_dtypes(meta, want_chunks)
-    h, h_unit, v_new, vn_unit, _ = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec, h_dtype=h_dtype,
-        v_new_dtype=v_new_dtype, want_final=False,
+    h, v_new, _ = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec, h_dtype=torch.float32,
+        v_new_dtype=torch.float32, want_final=False,
     )  # fmt: skip
-    return (*inter, h, h_unit, v_new, vn_unit)
+    return (*inter, h, v_new)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -1523,7 +1435,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         if kept:
             ctx.save_for_backward(*kept)
-        ctx.layout, ctx.meta, ctx.return_chunk_states = layout, meta, return_chunk_states
+        ctx.layout, ctx.meta = layout, meta
         chunk_states = h if return_chunk_states else None
         if chunk_states is not None:
             ctx.mark_non_differentiable(chunk_states)
@@ -1534,7 +1446,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, _dchunks):
         saved = ctx.saved_tensors
         if ctx.meta.cfg.recompute:
-            saved = (*saved, *_recompute(saved, ctx.layout, ctx.meta, ctx.return_chunk_states))
+            saved = (*saved, *_recompute(saved, ctx.layout, ctx.meta))
         grads = _backward(
             do.contiguous(), None if dht is None else dht.contiguous(), saved, ctx.layout, ctx.meta
         )

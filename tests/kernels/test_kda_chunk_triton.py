@@ -63,30 +63,26 @@ def _check(name, actual, expected, dtype):
     assert err <= TOLERANCE[dtype], f"{name}: relative RMS error {err:.3e} > {TOLERANCE[dtype]:.0e} ({dtype})"
 
 
-def _run_both(inputs, dtype, cu_seqlens=None, config=POISON, chunk_states=True, grad_scale=1.0, **flags):
-    """Kernel and fp64 reference on the same inputs with state in/out and chunk states (unless
-    ``chunk_states`` is False: the training path then keeps its states for the backward in scaled fp16);
-    loss uses o and the final state, so every input (the initial state included) receives a gradient, and
-    ``grad_scale`` scales that loss. Returns a dict name -> (kernel value, reference value)."""
+def _run_both(inputs, dtype, cu_seqlens=None, config=POISON, **flags):
+    """Kernel and fp64 reference on the same inputs with state in/out and chunk states; loss uses o and the
+    final state, so every input (the initial state included) receives a gradient. Returns a dict name ->
+    (kernel value, reference value)."""
     ours_in, ref_in = _leaves(inputs), _leaves(inputs, torch.float64)
-    o, ht, *chunks = chunk_kda(
+    o, ht, chunks = chunk_kda(
         *ours_in[:7], initial_state=ours_in[7], output_final_state=True, cu_seqlens=cu_seqlens,
-        return_chunk_states=chunk_states, lower_bound=LOWER_BOUND, config=config, **flags,
+        return_chunk_states=True, lower_bound=LOWER_BOUND, config=config, **flags,
     )  # fmt: skip
     ro, rht, rchunks = _reference(
         ref_in, output_final_state=True, cu_seqlens=cu_seqlens, return_chunk_states=True,
         chunk_size=flags.get("chunk_size", 64),
     )  # fmt: skip
-    assert o.dtype == dtype and ht.dtype == torch.float32 and all(c.dtype == torch.float32 for c in chunks)
+    assert o.dtype == dtype and ht.dtype == torch.float32 and chunks.dtype == torch.float32
     gen = torch.Generator().manual_seed(1)
     # the kernel receives d o in o's dtype, so the reference gets that same (rounded) gradient
-    do = (torch.randn(o.shape, generator=gen) * grad_scale).to(dtype)
-    dht = torch.randn(ht.shape, generator=gen) * grad_scale
+    do, dht = torch.randn(o.shape, generator=gen).to(dtype), torch.randn(ht.shape, generator=gen)
     ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     ((ro * do).sum() + (rht * dht).sum()).backward()
-    pairs = {"o": (o, ro), "final_state": (ht, rht)}
-    if chunk_states:
-        pairs["chunk_states"] = (chunks[0], rchunks)
+    pairs = {"o": (o, ro), "final_state": (ht, rht), "chunk_states": (chunks, rchunks)}
     for name, a, r in zip(GRAD_NAMES, ours_in, ref_in, strict=True):
         assert a.grad is not None and a.grad.dtype == a.dtype, f"d{name}: missing or wrong dtype"
         pairs["d" + name] = (a.grad, r.grad)
@@ -118,20 +114,6 @@ def test_varlen_forward_backward_states(dtype):
     pairs = _run_both(_inputs(gen, 1, 130, 3, dtype, saturate=True), dtype, cu_seqlens=cu)
     assert pairs["chunk_states"][0].shape == (1, 4, H, K, V)
     _assert_all(pairs, dtype)
-
-
-@pytest.mark.parametrize("scale", [1.0, 1e-6])
-def test_states_kept_for_the_backward_in_scaled_fp16_hold_at_any_scale(scale):
-    # Without chunk states asked for, the training forward keeps its chunk states and v_new, and the backward
-    # its dS per chunk, as fp16 scaled per column. At 1e-6 (v, the initial state and the loss gradient) the
-    # states and dS would be fp16 subnormals without the scale; with it every error stays at tolerance.
-    gen = fresh_generator()
-    inputs = _inputs(gen, 1, 130, 3, torch.bfloat16, saturate=True)
-    inputs[2] = (inputs[2].float() * scale).to(torch.bfloat16)
-    inputs[7] = inputs[7] * scale
-    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
-    pairs = _run_both(inputs, torch.bfloat16, cu_seqlens=cu, chunk_states=False, grad_scale=scale)
-    _assert_all(pairs, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -361,27 +343,17 @@ def test_a_launch_out_of_shared_memory_is_retried_with_fewer_pipeline_stages():
     chunk_module._STAGES_THAT_FIT.pop(key)
 
 
-def _saved_fp16(dtype=torch.bfloat16, **kwargs):
-    """How many of the tensors a training call keeps for its backward are fp16."""
-    inputs = _inputs(fresh_generator(), 1, 40, 1, dtype)
-    o, *_ = chunk_kda(*_leaves(inputs)[:7], lower_bound=LOWER_BOUND, **kwargs)
+@pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
+def test_training_intermediates_are_fp16_only_where_bounded(flags):
+    # A_qk, w, qg, kd are bounded by 1 only with unit q, k and beta in (0, 1): then fp16, otherwise fp32.
+    inputs = _inputs(fresh_generator(), 1, 40, 1, torch.bfloat16)
+    leaves = _leaves(inputs)
+    o, _ = chunk_kda(*leaves[:7], lower_bound=LOWER_BOUND, **flags)
     node = o.grad_fn
     while not hasattr(node, "saved_tensors"):
         node = node.next_functions[0][0]
-    return sum(t.dtype == torch.float16 for t in node.saved_tensors if t is not None)
-
-
-@pytest.mark.parametrize("flags", [dict(), dict(use_qk_l2norm=False), dict(use_beta_sigmoid=False)])
-def test_training_intermediates_are_fp16_only_where_bounded(flags):
-    # A_qk, w, qg, kd are bounded by 1 only with unit q, k and beta in (0, 1): then fp16, otherwise fp32. The
-    # chunk states and v_new are fp16 scaled per column either way (tf32 products read them).
-    assert _saved_fp16(**flags) == (2 if flags else 6)
-
-
-def test_kept_states_stay_fp32_where_their_products_are_wider_than_tf32_or_the_caller_takes_them():
-    assert _saved_fp16(return_chunk_states=True) == 5  # the states leave the op: fp32; v_new stays fp16
-    assert _saved_fp16(config=ChunkKDAConfig(precision="split")) == 4  # split products: about 16 bits
-    assert _saved_fp16(torch.float32) == 0  # exact fp32 products
+    fp16 = sum(t.dtype == torch.float16 for t in node.saved_tensors if t is not None)
+    assert fp16 == (0 if flags else 4)
 
 
 def test_recompute_keeps_only_the_inputs_and_gives_the_same_gradients():
