@@ -16,15 +16,14 @@ Design decisions
   operands of stage 5, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence,
   head, V tile) carries the fp32 state in registers across the chunks of its sequence and writes every chunk's
   output from the state before it (the chunk states only when they are asked for: a separate output kernel
-  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37); with a backward to follow
-  it also writes the chunk states and ``v_new`` for it, which the backward used to recompute with a second pass
-  of stage 5. Backward: ``dA_qk``; the reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d
-  initial_state``); the WY-transform gradients in two kernels, the V side (``dv``, ``du u^T``) and one program
-  per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw
-  w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a
-  per-chunk kernel for the reverse cumulative sum of ``dG``, the gate's backward, the L2-norm and the sigmoid
-  backward. No Python loop runs over chunks: chunk and sequence index tables are built on the host
-  (vectorised, cached per layout).
+  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes the
+  states and ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the
+  reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
+  two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
+  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
+  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
+  of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
+  and sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
   tiles run together and share them through L2.
@@ -61,11 +60,11 @@ Design decisions
   an H200, tolerance 5e-3; WY 0.46 -> 0.39 ms at 2·8192·32·128). When a backward follows, ``u``, ``v_new`` and
   the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
   (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
-  and the states are computed with 11 significant bits (tf32 products in the recurrence, bf16 ones for the
-  output beside it, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
+  and the states are recomputed with 11 significant bits (tf32 products; with fp16 ``w`` and ``kd``, fp16
+  products on per-column scaled states, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
   terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
   with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
-  raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the state recurrence pushed ``dA_log`` past
+  raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past
   the tolerance in about one varlen test in 40, and bf16 ``A_qk``, ``w``, ``qg`` did in about one small-tile
   test in 30; fp16 ones did not in 100 runs. With an fp32 input every product is exact fp32
   (``input_precision="ieee"``) and every intermediate fp32.
@@ -142,8 +141,9 @@ class ChunkKDAConfig:
             loads' latency (one sequence of 32768 tokens, 32 heads: 1.07 -> 0.86 ms at 3 stages; with more
             programs than SMs 3 stages were slower than 2).
         state_block_v_fp32: V tile of the forward state kernel when ``u`` and the states are fp32 (a
-            backward follows: the training forward, which keeps the states for it; or the inputs are fp32).
-            The three state V tiles are the widest used: with few (sequence, head) pairs they are halved until at least half the
+            backward follows: the training forward and the backward's recomputation of the states; or the
+            inputs are fp32). The three state V tiles
+            are the widest used: with few (sequence, head) pairs they are halved until at least half the
             GPU's SMs get a program, and tiles of 32 or less run on at most 4 warps.
         state_num_warps_fp32: warps per program of that kernel.
         state_num_stages_fp32: pipelining depth of its loop over chunks.
@@ -178,11 +178,10 @@ class ChunkKDAConfig:
             over all tokens. Those pairs are formed in the backward intra-chunk kernel: with tf32 there,
             ``dt_bias``'s relative error reaches 5.5e-3 (12 seeds of the varlen test), with split products
             6e-4.
-        recompute: keep only the inputs for the backward and run the forward's stages (gate, strips, inverse,
-            WY, the state recurrence without the output) again there, instead of keeping their outputs: about
-            3.6 KB less per token and head at K = V = 128 (``G``, ``T``, ``u``, ``v_new`` and the chunk states in
-            fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16), for those stages' time once more. The gradients are
-            the same bits.
+        recompute: keep only the inputs for the backward and run the forward's chunk-parallel stages (gate,
+            strips, inverse, WY) again there, instead of keeping their outputs: about 2.1 KB less per token
+            and head at K = V = 128 (``G``, ``T``, ``u`` in fp32, ``A_qk``, ``w``, ``qg``, ``kd`` in fp16),
+            for those stages' time once more. The gradients are the same bits.
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
@@ -275,6 +274,9 @@ if _INTERPRETED:
     def _cumsum(x, axis):
         return tl.associative_scan(x, axis, tl.standard._sum_combine)
 
+    def _max(x, axis):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
+
 else:
 
     @triton.jit
@@ -288,6 +290,10 @@ else:
     @triton.jit
     def _cumsum(x, axis: tl.constexpr):
         return tl.cumsum(x, axis)
+
+    @triton.jit
+    def _max(x, axis: tl.constexpr):
+        return tl.max(x, axis)
 
 
 @_helper
@@ -352,6 +358,24 @@ def _out(x, ptr, EMU: tl.constexpr):
         if ptr.dtype.element_ty == tl.bfloat16:
             x = _round_bf16(x)
     return x
+
+
+@_helper
+def _f16_columns(x):
+    """``(x16, unit)``: the fp32 tile ``x`` as fp16 with each column scaled so that its largest magnitude lands in
+    [2^14, 2^15), and the factor back, ``x ~= x16 * unit[None, :]``. fp16 keeps the 11 significant bits of tf32,
+    and the scale keeps any column's range clear of fp16's overflow and of its subnormals."""
+    top = tl.maximum(_max(tl.abs(x), 0), 1e-30)
+    return (x * (16384.0 / top)[None, :]).to(tl.float16), top * (1.0 / 16384.0)
+
+
+@_helper
+def _dot16(a, b, EMU: tl.constexpr):
+    """a @ b of two fp16 tiles, fp32 result (an exact fp32 product of the same values under the interpreter)."""
+    if EMU:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @_helper
@@ -599,7 +623,7 @@ def _fwd_state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr, OUT: tl.constexpr,
-    STORE_FINAL: tl.constexpr, P: tl.constexpr, PS: tl.constexpr, EMU: tl.constexpr,
+    STORE_FINAL: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk; with ``OUT`` also
     the chunk's output O = qg S + A_qk v_new from the state before the chunk.
@@ -610,10 +634,12 @@ def _fwd_state_kernel(
     sequential chain; the states and ``v_new`` are written only where they are wanted (``SAVE_H``,
     ``SAVE_V_NEW``).
 
-    ``PS`` is the precision of the recurrence's two products, ``P`` that of the output's. A training forward
-    keeps its states and ``v_new`` for the backward, which needs them to tf32's 11 significant bits, while
-    the output is rounded to bf16 anyway: so one launch gives both, where the backward used to recompute the
-    states with a second pass of this kernel."""
+    ``F16`` (fp16 ``w`` and ``kd``, tf32 products asked for, no output): the two products take fp16 operands,
+    ``S`` and ``v_new`` scaled per column (``_f16_columns``), instead of converting the fp16 tiles for tf32
+    products: the same 11 significant bits, none of the conversions, and Hopper reads fp16 operands of either
+    layout from shared memory, where tf32 ones must be transposed first (the backward's recomputation at
+    2·8192·32·128 on an H200: 0.608 -> 0.495 ms). Not used with ``OUT``: the scaled products made the fused
+    output kernel need 135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -643,7 +669,11 @@ def _fwd_state_kernel(
         offk = row[:, None] * K + kc[None, :]
         offv = row[:, None] * V + vc[None, :]
         wt = tl.load(w + offk, mask=m2k, other=0.0)
-        vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, PS, EMU)
+        if F16:
+            S16, S_unit = _f16_columns(S)
+            vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot16(wt, S16, EMU) * S_unit[None, :]
+        else:
+            vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
         if SAVE_V_NEW:
             tl.store(v_new + offv, _out(vn, v_new, EMU), mask=m2v)
         if OUT:  # the output of the chunk from the state before it: O = qg S + A_qk v_new
@@ -653,7 +683,11 @@ def _fwd_state_kernel(
             tl.store(o + offv, _out(acc, o, EMU), mask=m2v)
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
-        S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, PS, EMU)
+        if F16:
+            vn16, vn_unit = _f16_columns(vn)
+            S = S * tl.exp(Gl)[:, None] + _dot16(tl.trans(kdt), vn16, EMU) * vn_unit[None, :]
+        else:
+            S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
     if STORE_FINAL:
         tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
 
@@ -1187,7 +1221,7 @@ class _Meta:
     chunk_size: int
     prec_intra: int  # product precision code of _dot in the forward intra-chunk kernel (see _dot)
     prec_fwd: int  # ... in the forward state kernel (and the WY kernel without a backward)
-    prec: int  # ... in the backward and in the state recurrence when a backward follows
+    prec: int  # ... in the backward (and its recomputation of the states)
     prec_bwd_intra: int  # ... in the backward intra-chunk kernel (the gate gradients' cancelling sums)
     lean: bool  # no backward will follow: forward intermediates in bf16, nothing saved
     emu: bool
@@ -1210,34 +1244,34 @@ def _bounded_operand_dtype(meta: _Meta) -> torch.dtype:
     return torch.float32
 
 
-def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, PS, h_dtype, v_new_dtype, want_final, out=None):
-    """Stage 5: the states before every chunk, ``v_new`` and the final state; ``out = (qg, Aqk, o)`` also writes the
-    output, chunk by chunk from the state in registers.
+def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final, out=None):
+    """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state.
 
-    ``P`` / ``PS``: product precision of the output / of the recurrence. The states are written when
-    ``h_dtype`` is given and ``v_new`` when ``v_new_dtype`` is; None is returned for those not written."""
+    ``out = (qg, Aqk, o)``: the forward's output is computed here too, chunk by chunk from the state in
+    registers, and neither ``v_new`` nor the states are written (None is returned for them) unless ``h_dtype``
+    is given (the chunk states were asked for)."""
     _, H, K = kd.shape
     V = u.shape[-1]
     cfg, dev = meta.cfg, kd.device
-    save_h, save_v_new = h_dtype is not None, v_new_dtype is not None
+    save_h = out is None or h_dtype is not None
     h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison) if save_h else gl
-    v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison) if save_v_new else gl
+    v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison) if out is None else gl
     qg, Aqk, o = out if out is not None else (gl, gl, gl)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
     fp32 = u.dtype == torch.float32
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
-    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, save_v_new,
-           out is None, P, PS)
+    f16 = out is None and kd.dtype == torch.float16 and P == 3  # tf32 asked for: see the kernel's notes
+    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
-        HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=save_v_new, OUT=out is not None,
-        STORE_FINAL=want_final, P=P, PS=PS, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
+        HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
+        STORE_FINAL=want_final, P=P, F16=f16, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
     ), num_stages, key)  # fmt: skip
-    return (h if save_h else None), (v_new if save_v_new else None), (ht if want_final else None)
+    return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
 
 
 def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
@@ -1295,35 +1329,22 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
 
 
 def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_final, want_chunks):
-    """Returns ``(o, final state, chunk states, what the backward keeps)``.
-
-    What the backward keeps: nothing without one (``meta.lean``); only the inputs with
-    ``ChunkKDAConfig.recompute``; else the chunk-parallel stages' outputs and, from the state kernel, the chunk
-    states and ``v_new`` in fp32 (the recurrence then runs on tf32 products, see ``_fwd_state_kernel``)."""
+    """Returns ``(o, final state, chunk states, intermediates the backward needs)``."""
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev = meta.cfg, q.device
     inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
     _, _, _, Aqk, _, w, u, qg, kd, gl = inter
     o = _alloc((layout.n_tokens, H, V), v.dtype, dev, cfg.poison)
-    keep = not meta.lean and not cfg.recompute
-    # with a backward the recurrence runs at the backward's precision (meta.prec): the states that
-    # ``recompute`` computes again in the backward are then the same bits as the ones kept here
-    h, v_new, ht = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec_fwd if meta.lean else meta.prec,
-        h_dtype=torch.float32 if (want_chunks or keep) else None, v_new_dtype=torch.float32 if keep else None,
-        want_final=want_final, out=(qg, Aqk, o),
+    h, _, ht = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.float32 if want_chunks else None,
+        v_new_dtype=None, want_final=want_final, out=(qg, Aqk, o),
     )  # fmt: skip
-    kept = () if meta.lean else (q, k, v, g_raw, beta_raw, A_log, dt_bias, h0)
-    if keep:
-        kept = (*kept, *inter, h, v_new)
-    return o, ht, h, kept
+    return o, ht, h, inter
 
 
 def _backward(do, dht, saved, layout, meta):
-    """``saved``: the inputs, the chunk-parallel stages' outputs, the chunk states and ``v_new`` (see
-    ``_forward``)."""
-    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl, h, v_new = saved
+    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl = saved
     _, H, K = q.shape
     V = v.shape[-1]
     cfg, dev, BT = meta.cfg, q.device, meta.chunk_size
@@ -1334,6 +1355,10 @@ def _backward(do, dht, saved, layout, meta):
     nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
     nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
+
+    h, v_new, _ = _run_state_forward(
+        kd, gl, w, u, h0, layout, meta, P=meta.prec, h_dtype=f32, v_new_dtype=f32, want_final=False
+    )
 
     dAq = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_dav_kernel[(N * H,)](
@@ -1403,20 +1428,6 @@ def _backward(do, dht, saved, layout, meta):
     return dq, dk, dv, dg_raw, dbeta, dA_log, ddt, dh0
 
 
-def _recompute(inputs, layout, meta):
-    """What ``_forward`` keeps for the backward beyond the inputs, computed again from them (with
-    ``ChunkKDAConfig.recompute``): the same kernels with the same product precisions on the same inputs, so the
-    same bits; the state kernel runs without the output this time."""
-    q, k, v, g_raw, beta_raw, A_log, dt_bias, h0 = inputs
-    inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
-    _, _, _, _, _, w, u, _, kd, gl = inter
-    h, v_new, _ = _run_state_forward(
-        kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, PS=meta.prec, h_dtype=torch.float32,
-        v_new_dtype=torch.float32, want_final=False,
-    )  # fmt: skip
-    return (*inter, h, v_new)
-
-
 class ChunkKDAFunction(torch.autograd.Function):
     """Autograd wrapper of the chunked KDA kernels; inputs are validated and packed by :func:`chunk_kda`.
 
@@ -1429,12 +1440,13 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta,
                 output_final_state, return_chunk_states):  # fmt: skip
-        o, ht, h, kept = _forward(
+        o, ht, h, inter = _forward(
             q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, layout, meta, output_final_state,
             return_chunk_states,
         )
-        if kept:
-            ctx.save_for_backward(*kept)
+        if not meta.lean:
+            kept = () if meta.cfg.recompute else inter
+            ctx.save_for_backward(q, k, v, g_raw, beta_raw, A_log, dt_bias, initial_state, *kept)
         ctx.layout, ctx.meta = layout, meta
         chunk_states = h if return_chunk_states else None
         if chunk_states is not None:
@@ -1446,7 +1458,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, _dchunks):
         saved = ctx.saved_tensors
         if ctx.meta.cfg.recompute:
-            saved = (*saved, *_recompute(saved, ctx.layout, ctx.meta))
+            saved = (*saved, *_intermediates(*saved[:7], ctx.layout, ctx.meta))
         grads = _backward(
             do.contiguous(), None if dht is None else dht.contiguous(), saved, ctx.layout, ctx.meta
         )
