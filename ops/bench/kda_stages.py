@@ -183,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"B{B} T{T} H{H} D{D} on {torch.cuda.get_device_name(0)}")
     calls = [(title, functools.partial(kda, config=cfg), True) for title, kda, cfg in runs]
     if args.peer:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        try:
+            from fla.ops.kda import chunk_kda as fla_chunk_kda
+        except ImportError as exc:
+            p.error(f"--peer needs fla-core (pip install fla-core==0.6.0): {exc}")
 
         peer = functools.partial(fla_chunk_kda, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
