@@ -218,6 +218,12 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
+# fla-core's chunk_kda as it is compared with ours: safe gate, lower bound -5, gate, L2 norm and beta
+# sigmoid inside its kernels (the same work our chunk_kda does)
+FLA_CHUNK_KDA_KWARGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                            safe_gate=True, lower_bound=-5.0)
+
+
 def _fla():
     """fla-core's KDA ops, or None when fla is not installed (imported lazily: it is an optional peer)."""
     try:
@@ -307,9 +313,9 @@ def bench_kda_chunk(bench: Bench) -> None:
 
     def peer_errors():
         try:
-            errors = kda_chunk_errors(lambda *x: fla[0](
-                *x[:5], A_log=x[5], dt_bias=x[6], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)[0], inputs)
+            errors = kda_chunk_errors(
+                lambda *x: fla[0](*x[:5], A_log=x[5], dt_bias=x[6], **FLA_CHUNK_KDA_KWARGS)[0], inputs
+            )
         except Exception as exc:  # the peer's failure is reported, not ours
             print(f"  fla chunk_kda could not run the check inputs: {type(exc).__name__}: {exc}")
             return
@@ -349,9 +355,7 @@ def _time_kda_chunk(bench: Bench, fla, B: int, T: int, H: int, D: int) -> None:
         fla_chunk = fla[0]
 
         def call_peer():
-            return fla_chunk(q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias,
-                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+            return fla_chunk(q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, **FLA_CHUNK_KDA_KWARGS)
 
         def peer_fwd():
             with torch.no_grad():

@@ -142,9 +142,9 @@ class ChunkKDAConfig:
             programs than SMs 3 stages were slower than 2).
         state_block_v_fp32: V tile of the forward state kernel when ``u`` and the states are fp32 (a
             backward follows: the training forward and the backward's recomputation of the states; or the
-            inputs are fp32). The three state V tiles
-            are the widest used: with few (sequence, head) pairs they are halved until at least half the
-            GPU's SMs get a program, and tiles of 32 or less run on at most 4 warps.
+            inputs are fp32). The three state V tiles are the widest used: with few (sequence, head) pairs
+            they are halved until at least half the GPU's SMs get a program, and tiles of 32 or less run on at
+            most 4 warps.
         state_num_warps_fp32: warps per program of that kernel.
         state_num_stages_fp32: pipelining depth of its loop over chunks.
         bwd_state_block_v: V tile of the backward state kernel (reverse recurrence of ``dS``).

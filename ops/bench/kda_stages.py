@@ -169,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(str(exc))
         cfg = module.ChunkKDAConfig()
         runs.append((f"{kind} {what}: {cfg}", module.chunk_kda, cfg))
+    peer = None
+    if args.peer:
+        from k3.kernels.bench import FLA_CHUNK_KDA_KWARGS, _fla
+
+        fla = _fla()
+        if fla is None:
+            p.error("--peer needs fla-core installed (pip install fla-core==0.6.0)")
+        peer = functools.partial(fla[0], **FLA_CHUNK_KDA_KWARGS)
     import torch
 
     if not torch.cuda.is_available():
@@ -182,14 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
     print(f"B{B} T{T} H{H} D{D} on {torch.cuda.get_device_name(0)}")
     calls = [(title, functools.partial(kda, config=cfg), True) for title, kda, cfg in runs]
-    if args.peer:
-        try:
-            from fla.ops.kda import chunk_kda as fla_chunk_kda
-        except ImportError as exc:
-            p.error(f"--peer needs fla-core (pip install fla-core==0.6.0): {exc}")
-
-        peer = functools.partial(fla_chunk_kda, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    if peer is not None:
         calls.append(("fla-core chunk_kda (safe gate, lower bound -5, gate/L2/beta in kernel)", peer, False))
     for title, kda, ours in calls:
 

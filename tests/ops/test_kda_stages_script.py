@@ -97,3 +97,13 @@ def test_a_bad_source_is_refused_with_the_reason(tmp_path):
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and "expected an existing .py file" in proc.stderr
+
+
+def test_peer_without_fla_core_is_a_usage_error(monkeypatch, capsys):
+    import k3.kernels.bench as bench
+
+    monkeypatch.setattr(bench, "_fla", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        kda_stages.main(["--peer"])
+    assert exit_info.value.code == 2
+    assert "--peer needs fla-core" in capsys.readouterr().err
