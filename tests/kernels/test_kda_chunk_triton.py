@@ -271,6 +271,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("bwd_wy_k_num_warps", 12, r"ChunkKDAConfig.bwd_wy_k_num_warps must be one of 1, 2, 4, 8, 16, got 12"),
         ("state_num_stages", 0, r"ChunkKDAConfig.state_num_stages must be an int from 1 to 4, got 0"),
+        ("bwd_intra_num_stages", 5, r"ChunkKDAConfig.bwd_intra_num_stages must be an int from 1 to 4, got 5"),
         ("state_num_stages_few_programs", 5, r"ChunkKDAConfig.state_num_stages_few_programs must be an int from 1 to 4"),
         ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("intra_block_k", 8, r"ChunkKDAConfig.intra_block_k must be a power of two >= 16, got 8"),
