@@ -8,13 +8,17 @@ kernels, and the GPU memory one call allocates at its peak. Use it to see which 
 git revision (``kernels/kda/chunk.py`` at ``REV``, with that revision's default config) to the same table, so a
 change is timed against its predecessor in one process; ``--source FILE`` does the same for an edited copy of
 that module (a variant under development, or a tree copied without its git history). ``--peer`` adds
-fla-core's ``chunk_kda`` on the same inputs, with the time of each of its kernels.
+fla-core's ``chunk_kda`` on the same inputs, with the time of each of its kernels. ``--check`` first holds every
+variant to the bench's correctness measure (output with and without autograd, and the seven gradients, against
+the fp64 reference at two small shapes) and counts non-finite elements of its training output at the timed
+shape: a variant can be fast and wrong only on the GPU.
 
     python ops/bench/kda_stages.py --backward
     python ops/bench/kda_stages.py --config num_warps=8 --config state_block_v=64,state_num_warps=8
     python ops/bench/kda_stages.py --backward --rev HEAD~1
     python ops/bench/kda_stages.py --backward --source /tmp/chunk_variant.py
     python ops/bench/kda_stages.py --backward --peer
+    python ops/bench/kda_stages.py --backward --check --source /tmp/chunk_variant.py
 
 Needs a CUDA GPU (exit status 2 without one).
 """
@@ -25,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -109,6 +114,39 @@ def _import_as(name: str, path: Path):
     return module
 
 
+CHECK_SHAPES = ((1, 160, 8, 128), (2, 1000, 4, 128))  # B, T, H, D: a partial chunk, two sequences
+
+
+def check_lines(kda, dev, shape, check_shapes=CHECK_SHAPES) -> tuple[list[str], bool]:
+    """``(report lines, passed)`` for one variant ``kda`` (``chunk_kda`` with its config bound).
+
+    At each of ``check_shapes``: the bench's ``kda_chunk_errors`` (relative RMS against fp64, bf16 inputs),
+    held to the bench's bf16 tolerance. At ``shape`` (the timed one, too large for the fp64 reference): the
+    number of non-finite elements of the output of a call with autograd, which the no-grad timing never
+    looks at."""
+    import torch
+
+    from k3.kernels.bench import CHECK_TOL, _kda_inputs, kda_chunk_errors
+
+    tol = CHECK_TOL[torch.bfloat16]
+    lines, passed = [], True
+    for B, T, H, D in check_shapes:
+        errors = kda_chunk_errors(lambda *x: kda(*x, lower_bound=-5.0)[0], _kda_inputs(B, T, H, D, dev))
+        worst = max(errors, key=lambda name: math.inf if math.isnan(errors[name]) else errors[name])
+        ok = all(e <= tol for e in errors.values())  # False for NaN as well
+        passed &= ok
+        lines.append(
+            f"  check {B}·{T}·{H}·{D}: {'ok' if ok else 'FAIL'}, worst {worst} {errors[worst]:.2e} (tol {tol:.0e})"
+        )
+    inputs = _kda_inputs(*shape, dev, requires_grad=True)
+    o, _ = kda(*inputs, lower_bound=-5.0)
+    bad = int((~torch.isfinite(o)).sum())
+    passed &= bad == 0
+    B, T, H, D = shape
+    lines.append(f"  check {B}·{T}·{H}·{D}: training output {'finite' if bad == 0 else f'FAIL, {bad} non-finite'}")
+    return lines, passed
+
+
 def _kernel_means(fn, ours: bool = True) -> dict[str, float]:
     """Mean GPU time (ms) of each kernel of one call of ``fn``: our ``_*_kernel`` kernels (short names), or with
     ``ours=False`` every kernel (a peer's names are its own)."""
@@ -150,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rev", action="append", default=[], help="also time the kernels as of this git revision")
     p.add_argument("--source", action="append", default=[], metavar="FILE",
                    help="also time the kernels of this copy of kernels/kda/chunk.py")
+    p.add_argument("--check", action="store_true",
+                   help="first check every variant against the fp64 reference (exit status 1 if one fails)")
     p.add_argument("--peer", action="store_true",
                    help="also time fla-core's chunk_kda on the same inputs, with each of its kernels")
     args = p.parse_args(argv)
@@ -192,6 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = [(title, functools.partial(kda, config=cfg), True) for title, kda, cfg in runs]
     if peer is not None:
         calls.append(("fla-core chunk_kda (safe gate, lower bound -5, gate/L2/beta in kernel)", peer, False))
+    failed = []
+    if args.check:
+        for title, kda, ours in calls:
+            if ours:
+                lines, passed = check_lines(kda, dev, args.shape)
+                print(f"\n{title}\n" + "\n".join(lines))
+                if not passed:
+                    failed.append(title)
     for title, kda, ours in calls:
 
         def forward(kda=kda):
@@ -212,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             stages = "  ".join(f"{name} {t:.3f}" for name, t in _kernel_means(fn, ours).items())
             print(f"  {label:8s} {ms:8.3f} ms, peak {_peak_mib(fn):6.0f} MiB | per kernel (ms): {stages}")
+    if failed:
+        print("\nfailed the checks: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,13 +1,16 @@
-"""``ops/bench/kda_stages.py`` off the GPU: its config parser and its refusal to measure without CUDA."""
+"""``ops/bench/kda_stages.py`` off the GPU: its config parser, its variant loaders, its ``--check`` (on the CPU
+interpreter) and its refusal to measure without CUDA."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the --check test runs the kernels on the CPU
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ops" / "bench"))
 
@@ -107,3 +110,23 @@ def test_peer_without_fla_core_is_a_usage_error(monkeypatch, capsys):
         kda_stages.main(["--peer"])
     assert exit_info.value.code == 2
     assert "--peer needs fla-core" in capsys.readouterr().err
+
+
+def test_check_passes_our_kernels_and_fails_a_variant_with_a_non_finite_training_output():
+    import torch
+
+    from k3.kernels.kda.chunk import chunk_kda
+
+    cpu, shape = torch.device("cpu"), (1, 40, 2, 32)
+    lines, passed = kda_stages.check_lines(chunk_kda, cpu, shape, check_shapes=(shape,))
+    assert passed, lines
+    assert lines[0].startswith("  check 1·40·2·32: ok, worst ") and lines[1].endswith("training output finite")
+
+    def nan_when_training(*args, **kwargs):  # right without autograd, broken with it: what the check is for
+        o, final = chunk_kda(*args, **kwargs)
+        return (o + float("nan") if o.requires_grad else o), final
+
+    lines, passed = kda_stages.check_lines(nan_when_training, cpu, shape, check_shapes=(shape,))
+    assert not passed
+    assert lines[0].startswith("  check 1·40·2·32: FAIL, worst o inf")
+    assert lines[1] == f"  check 1·40·2·32: training output FAIL, {40 * 2 * 32} non-finite"
