@@ -117,10 +117,13 @@ def test_check_passes_our_kernels_and_fails_a_variant_with_a_non_finite_training
 
     from k3.kernels.kda.chunk import chunk_kda
 
-    cpu, shape = torch.device("cpu"), (1, 40, 2, 32)
+    # 4 heads of 64 tokens: at 2 heads of 40 the two dA_log values, sums of few cancelling terms, came within
+    # 5e-3 of fp64 for only half of the seeds tried (A_log and dt_bias are drawn from the global generator)
+    torch.manual_seed(0)
+    cpu, shape = torch.device("cpu"), (1, 64, 4, 32)
     lines, passed = kda_stages.check_lines(chunk_kda, cpu, shape, check_shapes=(shape,))
     assert passed, lines
-    assert lines[0].startswith("  check 1·40·2·32: ok, worst ") and lines[1].endswith("training output finite")
+    assert lines[0].startswith("  check 1·64·4·32: ok, worst ") and lines[1].endswith("training output finite")
 
     def nan_when_training(*args, **kwargs):  # right without autograd, broken with it: what the check is for
         o, final = chunk_kda(*args, **kwargs)
@@ -128,5 +131,5 @@ def test_check_passes_our_kernels_and_fails_a_variant_with_a_non_finite_training
 
     lines, passed = kda_stages.check_lines(nan_when_training, cpu, shape, check_shapes=(shape,))
     assert not passed
-    assert lines[0].startswith("  check 1·40·2·32: FAIL, worst o inf")
-    assert lines[1] == f"  check 1·40·2·32: training output FAIL, {40 * 2 * 32} non-finite"
+    assert lines[0].startswith("  check 1·64·4·32: FAIL, worst o inf")
+    assert lines[1] == f"  check 1·64·4·32: training output FAIL, {64 * 4 * 32} non-finite"
