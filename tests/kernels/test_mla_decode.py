@@ -6,7 +6,7 @@ import pytest
 import torch
 from utils import TOLERANCE, assert_close, fresh_generator, poisoned_empty, rel_rms
 
-from k3.kernels.mla.decode import MLAConfig, mla_decode, mla_decode_attention, plan_splits
+from k3.kernels.mla.decode import MLAConfig, mla_decode, mla_decode_attention, plan_splits, programs_per_sm
 from k3.kernels.mla.reference import mla_decode_attention_reference, mla_decode_reference
 
 B, H, R, E, PAGE, MAX_PAGES, NUM_PAGES = 3, 4, 32, 16, 8, 6, 24
@@ -132,6 +132,16 @@ def test_split_plan_covers_the_key_range():
         n, length = plan_splits(batch, 1, max_len, block_n, torch.device("cpu"), splits)
         assert length % block_n == 0 and n >= 1
         assert (n - 1) * length < max_len <= n * length  # no empty trailing slice, nothing uncovered
+
+
+def test_split_plan_fills_one_wave_without_spilling_into_a_second():
+    sms = 4  # what the plan assumes off the GPU
+    for batch, row_blocks, per_sm in [(1, 1, 1), (3, 1, 1), (2, 1, 2), (3, 1, 2), (1, 3, 2), (5, 1, 1)]:
+        n, _ = plan_splits(batch, row_blocks, 32768, 64, torch.device("cpu"), per_sm=per_sm)
+        programs = batch * row_blocks * n
+        assert programs <= max(per_sm * sms, batch * row_blocks)  # never a partial second wave
+        assert programs + batch * row_blocks > per_sm * sms  # one more slice would overflow the wave
+    assert programs_per_sm(64) == 1 and programs_per_sm(16) == 2
 
 
 def test_rejects_bad_inputs():
