@@ -47,7 +47,7 @@ from torch import Tensor
 from k3.kernels.cast import dot_upcast, round_to
 from k3.kernels.mla.reference import DEFAULT_SCALE, absorb_output, absorb_query, check_paged_inputs
 
-__all__ = ["MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits", "programs_per_sm", "tma_unsupported"]
+__all__ = ["MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits", "resident_programs", "tma_unsupported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -305,23 +305,45 @@ def _use_tma(config: MLAConfig, kv_cache: Tensor, R: int, E: int, block_m: int) 
     return why is None and block_m >= 64 and kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
 
 
-def programs_per_sm(block_m: int) -> int:
-    """How many split-kernel programs one SM holds at once.
+def resident_programs(shared: int, regs: int, num_warps: int, *, smem_per_sm: int = 233472,
+                      regs_per_sm: int = 65536, threads_per_sm: int = 2048) -> int:
+    """How many programs of a compiled kernel one SM holds at once (at least 1), from its shared memory per
+    program, registers per thread and warps: the smallest of the three limits. Registers are allocated per
+    warp in units of 256, and the driver reserves 1 KB of shared memory per resident program (sm90's rules;
+    the defaults are an H100's / H200's limits)."""
+    regs_per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = smem_per_sm // (shared + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads))
 
-    A 64-row program keeps two ``[64, R/2]`` fp32 accumulators in registers and, with the default two-stage
-    pipeline of 64-key tiles, ~220 KB of shared memory: one per SM. Smaller row blocks fit two.
-    """
-    return 1 if block_m >= 64 else 2
+
+_RESIDENT: dict[tuple, int] = {}  # compile key of the split kernel -> programs per SM
+
+
+def _resident_split_programs(key: tuple, compile_split_kernel, device: torch.device) -> int:
+    """Programs per SM of the split kernel compiled for ``key`` (compiled on first use, then remembered)."""
+    if key not in _RESIDENT:
+        kernel = compile_split_kernel()
+        kernel._init_handles()  # loads the binary: the register count is known only then
+        props = torch.cuda.get_device_properties(device)
+        _RESIDENT[key] = resident_programs(
+            kernel.metadata.shared, kernel.n_regs, kernel.metadata.num_warps,
+            smem_per_sm=props.shared_memory_per_multiprocessor, regs_per_sm=props.regs_per_multiprocessor,
+            threads_per_sm=props.max_threads_per_multi_processor)
+    return _RESIDENT[key]
 
 
 def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device: torch.device,
                 num_splits: int | None = None, per_sm: int = 2) -> tuple[int, int]:
     """``(num_splits, split_len)`` for a key range of ``max_len``; ``split_len`` is a multiple of ``block_n``.
 
-    By default the grid is sized to one full wave of ``per_sm`` programs on every SM, rounded *down*: a grid
-    a few programs past a wave pays a whole second wave for them. On an H100 (B = 8 x 32K cache, 16 heads,
-    Tq = 4, one 64-row program per SM) 33 slices (264 programs, two waves at one per SM) took 0.176 ms and
-    16 slices (128 programs, one wave) 0.158 ms; 17 slices (136 programs) took 0.218 ms.
+    By default the grid is one full wave of ``per_sm`` resident programs on every SM, rounded *down*: a grid a
+    few programs past a wave pays a whole second wave for them, and a second full wave only adds the cost of
+    re-filling the pipeline and more partial states to merge. B = 8 x 32K cache, 16 heads, Tq = 4, where a
+    64-row program fills an SM (222 KB of shared memory): on an H100 33 slices (264 programs, two waves)
+    took 0.176 ms, 16 (128 programs, one wave) 0.158 ms and 17 (136 programs) 0.218 ms; on an H200 0.166
+    and 0.151 ms for 33 and 16. At Tq = 1 two 16-row programs fit an SM, and the wave is 33 slices.
     """
     n_blocks = max(1, math.ceil(max_len / block_n))
     if num_splits is None:
@@ -377,26 +399,37 @@ def mla_decode_attention(
     rows = Tq * H
     block_m, num_warps = config.resolve(rows)
     row_blocks = triton.cdiv(rows, block_m)
-    num_splits, split_len = plan_splits(B, row_blocks, max_seq_len, config.block_n, q_latent.device,
-                                        config.num_splits, programs_per_sm(block_m))
-    partial = torch.empty(B, num_splits, rows, R, dtype=torch.float32, device=q_latent.device)
-    lse = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q_latent.device)
-    upcast = dot_upcast(_mla_split_kernel)
-    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
     tma = _use_tma(config, kv_cache, R, E, block_m)
     c_desc, e_desc = _descriptors(kv_cache, R, E, config.block_n) if tma else (None, None)
-    _mla_split_kernel[(row_blocks, num_splits, B)](
-        q_latent, q_extra, kv_cache, c_desc, e_desc, block_table, seq_lens, partial, lse,
-        q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
-        q_extra.stride(0), q_extra.stride(1), q_extra.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        H, Tq, split_len, float(scale) * _LOG2E,
+    constexprs = dict(
         R=R, RH=_half_width(R), E=E, EP=max(16, triton.next_power_of_2(E)), PAGE=page_size,
-        BM=block_m, BN=config.block_n, UPCAST=upcast, PRECISION=precision,
-        TILE_IN_PAGE=page_size % config.block_n == 0, TMA=tma,
-        num_warps=num_warps, num_stages=config.num_stages,
+        BM=block_m, BN=config.block_n, UPCAST=dot_upcast(_mla_split_kernel),
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        TILE_IN_PAGE=page_size % config.block_n == 0, TMA=tma, num_warps=num_warps, num_stages=config.num_stages,
     )
+
+    def split_args(num_splits: int, split_len: int):
+        partial = torch.empty(B, num_splits, rows, R, dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q_latent.device)
+        return partial, lse, (
+            q_latent, q_extra, kv_cache, c_desc, e_desc, block_table, seq_lens, partial, lse,
+            q_latent.stride(0), q_latent.stride(1), q_latent.stride(2),
+            q_extra.stride(0), q_extra.stride(1), q_extra.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+            H, Tq, split_len, float(scale) * _LOG2E,
+        )
+
+    per_sm = 2
+    if config.num_splits is None and q_latent.is_cuda:  # a grid of whole waves of resident programs
+        per_sm = _resident_split_programs(
+            (q_latent.device, q_latent.dtype, *sorted(constexprs.items())),
+            lambda: _mla_split_kernel.warmup(*split_args(1, max_seq_len)[2], grid=(1,), **constexprs),
+            q_latent.device)
+    num_splits, split_len = plan_splits(B, row_blocks, max_seq_len, config.block_n, q_latent.device,
+                                        config.num_splits, per_sm)
+    partial, lse, args = split_args(num_splits, split_len)
+    _mla_split_kernel[(row_blocks, num_splits, B)](*args, **constexprs)
     _mla_merge_kernel[(rows, B)](
         partial, lse, out,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),

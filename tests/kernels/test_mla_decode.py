@@ -6,7 +6,7 @@ import pytest
 import torch
 from utils import TOLERANCE, assert_close, fresh_generator, poisoned_empty, rel_rms
 
-from k3.kernels.mla.decode import MLAConfig, mla_decode, mla_decode_attention, plan_splits, programs_per_sm
+from k3.kernels.mla.decode import MLAConfig, mla_decode, mla_decode_attention, plan_splits, resident_programs
 from k3.kernels.mla.reference import mla_decode_attention_reference, mla_decode_reference
 
 B, H, R, E, PAGE, MAX_PAGES, NUM_PAGES = 3, 4, 32, 16, 8, 6, 24
@@ -141,7 +141,16 @@ def test_split_plan_fills_one_wave_without_spilling_into_a_second():
         programs = batch * row_blocks * n
         assert programs <= max(per_sm * sms, batch * row_blocks)  # never a partial second wave
         assert programs + batch * row_blocks > per_sm * sms  # one more slice would overflow the wave
-    assert programs_per_sm(64) == 1 and programs_per_sm(16) == 2
+
+
+def test_resident_programs_takes_the_tightest_of_shared_memory_registers_and_threads():
+    # Triton 3.6's sm_90a builds of the split kernel (B = 8 x 32K cache, 16 heads): Tq = 4 fills an SM with
+    # shared memory, Tq = 2 with registers (177 x 256 threads), Tq = 1 fits two.
+    assert resident_programs(222208, 255, 8) == 1
+    assert resident_programs(114688, 177, 8) == 1
+    assert resident_programs(94208, 207, 4) == 2
+    assert resident_programs(0, 32, 4) == 16  # 2048 threads
+    assert resident_programs(300000, 255, 8) == 1  # never below one: the launch itself reports what does not fit
 
 
 def test_rejects_bad_inputs():
