@@ -412,19 +412,6 @@ def _gate_sigmoid(graw, dt, rate):
 
 
 @_helper
-def _chunk_gate(g_raw, A_log, dt_bias, lower_bound, i_h, row, valid, c, cm, K: tl.constexpr):
-    """``(g, G)``: the gate of one chunk's rows on the K columns ``c`` and its cumulative sum over the rows
-    (0 on rows past the chunk's end), computed from raw g exactly as the gate kernel does."""
-    rate, _ = _gate_rate(A_log, i_h)
-    m2 = valid[:, None] & cm[None, :]
-    graw = tl.load(g_raw + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-    _, sig = _gate_sigmoid(graw, dt, rate)
-    g = tl.where(m2, lower_bound * sig, 0.0)
-    return g, _cumsum(g, 0)
-
-
-@_helper
 def _load_beta(beta_raw, row, mask, BETA_SIGMOID: tl.constexpr):
     b = tl.load(beta_raw + row, mask=mask, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
@@ -460,8 +447,7 @@ def _fwd_gate_kernel(
     L2NORM: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, part): parts below ``NKT`` take one K tile of the gate, its cumulative sum ``G`` and
-    ``gl = G_last`` (one row per chunk); the last part takes the inverse row norms of q and k. Without a
-    backward ``NKT`` is 0: the strip and WY kernels compute ``G`` themselves (see ``_fwd_intra_kernel``)."""
+    ``gl = G_last`` (one row per chunk); the last part takes the inverse row norms of q and k."""
     i_c, i_h, part = _chunk_program(NKT + 1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -469,10 +455,16 @@ def _fwd_gate_kernel(
     valid = r < nv
     row = (t0 + r) * H + i_h  # token-major row index of (token, head)
     if part < NKT:
+        rate, _ = _gate_rate(A_log, i_h)
         c = part * BK + tl.arange(0, BK)
         cm = c < K
-        g, Gc = _chunk_gate(g_raw, A_log, dt_bias, lower_bound, i_h, row, valid, c, cm, K)
-        tl.store(G + row[:, None] * K + c[None, :], Gc, mask=valid[:, None] & cm[None, :])
+        m2 = valid[:, None] & cm[None, :]
+        off = row[:, None] * K + c[None, :]
+        graw = tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32)
+        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        _, sig = _gate_sigmoid(graw, dt, rate)
+        g = tl.where(m2, lower_bound * sig, 0.0)
+        tl.store(G + off, _cumsum(g, 0), mask=m2)
         tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
     else:
         if L2NORM:
@@ -497,20 +489,16 @@ def _fwd_gate_kernel(
 
 @triton.jit
 def _fwd_intra_kernel(
-    q, k, beta_raw, G, g_raw, A_log, dt_bias, rq, rk, Aqk, Akk,
-    chunk_start, chunk_len, scale, lower_bound,
+    q, k, beta_raw, G, rq, rk, Aqk, Akk,
+    chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, G_RAW: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, 16-row strip b): rows of A_qk, and rows of A_kk with the strip's own diagonal block
     replaced by its inverse ``D_b = (I + A_kk[b, b])^-1`` (the inverse kernel assembles T from both).
 
     The reference row of the strip is its first row (see the module notes), so the strip is one product of
-    row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile.
-
-    ``G_RAW`` (no backward follows, so nothing needs ``G`` stored): ``G`` is computed here from raw g, the
-    chunk's rows once and the strip's rows again (its prefix sum plus their own cumulative sum), instead of
-    read as fp32 from the gate kernel, which then neither computes nor writes it."""
+    row factors ``exp(G_i - G_r)`` and column factors ``exp(G_r - G_j)`` per K tile."""
     i_c, i_h, b = _chunk_program(BT // 16, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -533,18 +521,12 @@ def _fwd_intra_kernel(
         cm = c < K
         m2 = cols[:, None] & cm[None, :]
         m2b = vb[:, None] & cm[None, :]
-        offb = rowb[:, None] * K + c[None, :]
-        if G_RAW:
-            g, Gf = _chunk_gate(g_raw, A_log, dt_bias, lower_bound, i_h, row, r < nv, c, cm, K)
-            gb, _ = _chunk_gate(g_raw, A_log, dt_bias, lower_bound, i_h, rowb, vb, c, cm, K)
-            Gb = _sum(tl.where((r < b * 16)[:, None], g, 0.0), 0)[None, :] + _cumsum(gb, 0)
-            Gr = _sum(tl.where((o16 == 0)[:, None], Gb, 0.0), 0)  # the strip's first row
-        else:
-            Gr = tl.load(G + ref * K + c, mask=cm, other=0.0)
-            Gf = tl.load(G + row[:, None] * K + c[None, :], mask=m2, other=0.0)
-            Gb = tl.load(G + offb, mask=m2b, other=0.0)
+        Gr = tl.load(G + ref * K + c, mask=cm, other=0.0)
         kf = tl.load(k + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+        Gf = tl.load(G + row[:, None] * K + c[None, :], mask=m2, other=0.0)
         kc = kf * tl.exp(tl.where(m2, Gr[None, :] - Gf, float("-inf")))
+        offb = rowb[:, None] * K + c[None, :]
+        Gb = tl.load(G + offb, mask=m2b, other=0.0)
         er = tl.exp(tl.where(m2b, Gb - Gr[None, :], float("-inf")))
         kbf = tl.load(k + offb, mask=m2b, other=0.0).to(tl.float32) * ikb[:, None]
         qb = tl.load(q + offb, mask=m2b, other=0.0).to(tl.float32) * (iqb[:, None] * er)
@@ -595,16 +577,15 @@ def _fwd_inverse_kernel(
 
 @triton.jit
 def _fwd_wy_kernel(
-    q, k, v, beta_raw, G, g_raw, A_log, dt_bias, rq, rk, Tkk, w, u, qg, kd, gl,
-    chunk_start, chunk_len, scale, lower_bound,
+    q, k, v, beta_raw, G, rq, rk, Tkk, w, u, qg, kd, gl,
+    chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, G_RAW: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, K or V tile): ``w = T (beta k exp(G))`` and the operands of the state and output
     kernels, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``, on a K tile; ``u = T (beta v)`` on a
-    V tile. The tiles of one (chunk, head) are neighbours on the grid and share T through L2. With ``G_RAW``
-    a K tile computes its ``G`` from raw g and writes ``gl = G_last`` for the state kernel."""
+    V tile. The tiles of one (chunk, head) are neighbours on the grid and share T through L2."""
     NKT: tl.constexpr = (K + BK - 1) // BK
     i_c, i_h, part = _chunk_program(NKT + (V + BV - 1) // BV, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
@@ -621,13 +602,8 @@ def _fwd_wy_kernel(
         off = row[:, None] * K + c[None, :]
         ik = tl.load(rk + row, mask=valid, other=0.0)
         kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
-        if G_RAW:
-            g, Gf = _chunk_gate(g_raw, A_log, dt_bias, lower_bound, i_h, row, valid, c, cm, K)
-            Gl = _sum(g, 0)
-            tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, Gl, mask=cm)
-        else:
-            Gf = tl.load(G + off, mask=m2, other=0.0)
-            Gl = tl.load(gl + (i_c.to(tl.int64) * H + i_h) * K + c, mask=cm, other=0.0)
+        Gf = tl.load(G + off, mask=m2, other=0.0)
+        Gl = tl.load(gl + (i_c.to(tl.int64) * H + i_h) * K + c, mask=cm, other=0.0)
         eg = tl.exp(tl.where(m2, Gf, float("-inf")))
         tl.store(w + off, _out(_dot(Tm, beta_f[:, None] * kf * eg, P, EMU), w, EMU), mask=m2)
         tl.store(kd + off, _out(kf * tl.exp(tl.where(m2, Gl[None, :] - Gf, float("-inf"))), kd, EMU), mask=m2)
@@ -1320,9 +1296,8 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     # see the module notes: bf16 without a backward; with one, fp16 for the operands bounded by 1, else fp32
     inter = half if meta.lean else f32
     bounded = half if meta.lean else _bounded_operand_dtype(meta)
-    g_raw_inside = meta.lean  # G only feeds the forward's products: computed where it is used, never stored
+    G = _alloc((NT, H, K), f32, dev, poison)
     gl = _alloc((N, H, K), f32, dev, poison)
-    G = gl if g_raw_inside else _alloc((NT, H, K), f32, dev, poison)
     rq = _alloc((NT, H), f32, dev, poison)
     rk = _alloc((NT, H), f32, dev, poison)
     Aqk = _alloc((NT, H, BT), bounded, dev, poison)
@@ -1335,15 +1310,15 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     qg = _alloc((NT, H, K), bounded, dev, poison)
     kd = _alloc((NT, H, K), bounded, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    nkt = 0 if g_raw_inside else triton.cdiv(K, cfg.gate_block_k)
+    nkt = triton.cdiv(K, cfg.gate_block_k)
     _fwd_gate_kernel[(N * H * (nkt + 1),)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.gate_block_k, NKT=nkt, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
     _fwd_intra_kernel[(N * H * (BT // _SUB),)](
-        q, k, beta_raw, G, g_raw, A_log, dt_bias, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len,
-        meta.scale, meta.lower_bound, H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid,
-        G_RAW=g_raw_inside, P=meta.prec_intra, EMU=meta.emu, **launch,
+        q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
+        H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
+        **launch,
     )  # fmt: skip
     if BT > _SUB:
         _fwd_inverse_kernel[(N * H,)](
@@ -1352,9 +1327,9 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
         )  # fmt: skip
     n_tiles = triton.cdiv(K, cfg.block_k) + triton.cdiv(V, cfg.block_v)
     _fwd_wy_kernel[(N * H * n_tiles,)](
-        q, k, v, beta_raw, G, g_raw, A_log, dt_bias, rq, rk, Twy, w, u, qg, kd, gl, layout.chunk_start,
-        layout.chunk_len, meta.scale, meta.lower_bound, H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v,
-        BETA_SIGMOID=meta.beta_sigmoid, G_RAW=g_raw_inside, P=p_wy, EMU=meta.emu, **launch,
+        q, k, v, beta_raw, G, rq, rk, Twy, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
+        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
+        P=p_wy, EMU=meta.emu, **launch,
     )  # fmt: skip
     return G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl
 
