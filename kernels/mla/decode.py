@@ -423,7 +423,7 @@ def mla_decode_attention(
     per_sm = 2
     if config.num_splits is None and q_latent.is_cuda:  # a grid of whole waves of resident programs
         per_sm = _resident_split_programs(
-            (q_latent.device, q_latent.dtype, *sorted(constexprs.items())),
+            (q_latent.device, q_latent.dtype, *constexprs.items()),
             lambda: _mla_split_kernel.warmup(*split_args(1, max_seq_len)[2], grid=(1,), **constexprs),
             q_latent.device)
     num_splits, split_len = plan_splits(B, row_blocks, max_seq_len, config.block_n, q_latent.device,

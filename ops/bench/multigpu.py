@@ -269,8 +269,9 @@ def _handoff_part(rank: int, settings: Settings, device: torch.device, tmp: str)
             decode=DecodeSettings(handoff="dist", dist=dist_config))
         handle = start_server(DecodeService(config, model=model), config.server)
         # written whole, then renamed: the other rank polls for the file and must never read it half-written
-        Path(tmp, "decode-address.tmp").write_text(handle.address)
-        Path(tmp, "decode-address.tmp").rename(address_file)
+        partial = address_file.with_suffix(".tmp")
+        partial.write_text(handle.address)
+        partial.rename(address_file)
         while not done_file.exists():
             time.sleep(0.05)
         handle.stop(grace=0)
