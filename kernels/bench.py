@@ -532,7 +532,8 @@ def _mla_multi_token_sweep(bench: Bench, ql, qe, kv, table, lens, scale, bytes_m
 
     Tq, H = ql.shape[1], ql.shape[2]
     grid = MLA_MULTI_TOKEN_GRID[:3] if bench.quick else MLA_MULTI_TOKEN_GRID
-    configs = [MLAConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns) for bm, bn, nw, ns in grid]
+    # the portable kernel's launch parameters (the default row above runs the sm90 kernel where it applies)
+    configs = [MLAConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, sm90=False) for bm, bn, nw, ns in grid]
     before = len(bench.report.tuning)
     _sweep(bench, f"mla_decode Tq={Tq}", configs,
            lambda c: lambda: mla_decode_attention(ql, qe, kv, table, lens, scale=scale, validate=False, config=c),
@@ -691,8 +692,9 @@ def _tune_mla(bench: Bench) -> None:
 
     dev = bench.dev
     B, L, Hm = 8, 32768, 16
-    # num_splits None is the occupancy-sized plan; the fixed counts are one and two waves of one or two
-    # programs per SM on a 132-SM card, and 17 slices is one wave plus a few programs.
+    # The default config first (the sm90 kernel where it applies), then the portable kernel: num_splits None is
+    # the occupancy-sized plan; the fixed counts are one and two waves of one or two programs per SM on a
+    # 132-SM card, and 17 slices is one wave plus a few programs.
     grids = {
         1: [(16, 64, 4, 2, None), (16, 64, 4, 2, 16), (16, 64, 4, 2, 66), (16, 32, 4, 3, None), (16, 32, 4, 2, None)],
         2: [(32, 64, 8, 2, None), (32, 64, 8, 2, 16), (32, 64, 8, 2, 33), (32, 32, 8, 3, None), (16, 64, 4, 2, None)],
@@ -700,8 +702,8 @@ def _tune_mla(bench: Bench) -> None:
     }
     for Tq, grid in grids.items():
         ql, qe, kv, table, lens = _paged(B, L, Hm, Tq, 64, dev)
-        configs = [MLAConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
-                   for bm, bn, nw, ns, sp in grid]
+        configs = [MLAConfig()] + [MLAConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
+                                             sm90=False) for bm, bn, nw, ns, sp in grid]
         _sweep(bench, f"mla_decode Tq={Tq}", configs,
                lambda c, ql=ql, qe=qe, kv=kv, table=table, lens=lens: lambda: mla_decode_attention(
                   ql, qe, kv, table, lens, validate=False, config=c),

@@ -47,6 +47,11 @@ from torch import Tensor
 from k3.kernels.cast import dot_upcast, round_to
 from k3.kernels.mla.reference import DEFAULT_SCALE, absorb_output, absorb_query, check_paged_inputs
 
+try:  # Gluon ships with Triton 3.4 and later; without it the sm90 kernel is not available
+    from k3.kernels.mla import decode_sm90
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    decode_sm90 = None
+
 __all__ = ["MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits", "resident_programs", "tma_unsupported"]
 
 _LOG2E = 1.4426950408889634
@@ -71,6 +76,11 @@ class MLAConfig:
             as the descriptor path spills registers there.
             ``True`` asks for it (also under the interpreter) and is an error where the layout does not
             allow it; ``False`` never.
+        sm90: run the split kernel of :mod:`k3.kernels.mla.decode_sm90` (Gluon, explicit warpgroup layouts, for
+            33 to 64 query rows per sequence) instead of the portable one. ``None``: on an sm90 GPU wherever it
+            applies (see :func:`k3.kernels.mla.decode_sm90.sm90_unsupported`; it also needs the descriptor
+            layout and 64-key tiles); ``True`` asks for it and is an error where it does not apply; ``False``
+            never.
     """
 
     block_m: int | None = None
@@ -79,6 +89,7 @@ class MLAConfig:
     num_stages: int = 2
     num_splits: int | None = None
     tma: bool | None = None
+    sm90: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -93,8 +104,10 @@ class MLAConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLAConfig.{name} must be a positive integer, got {value!r}")
-        if self.tma is not None and not isinstance(self.tma, bool):
-            raise ValueError(f"MLAConfig.tma must be None, True or False, got {self.tma!r}")
+        for name in ("tma", "sm90"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"MLAConfig.{name} must be None, True or False, got {value!r}")
 
     def resolve(self, rows: int) -> tuple[int, int]:
         """``(block_m, num_warps)`` for ``rows`` query rows per sequence."""
@@ -305,6 +318,25 @@ def _use_tma(config: MLAConfig, kv_cache: Tensor, R: int, E: int, block_m: int) 
     return why is None and block_m >= 64 and kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
 
 
+def _use_sm90(config: MLAConfig, q_latent: Tensor, kv_cache: Tensor, R: int, E: int, rows: int) -> bool:
+    if config.sm90 is False:
+        return False
+    if decode_sm90 is None:
+        why = "a Triton with Gluon (3.4 or later)"
+    elif config.block_n != decode_sm90.SM90_BLOCK_N or config.block_m not in (None, decode_sm90.SM90_BLOCK_M):
+        why = f"block_n = block_m = {decode_sm90.SM90_BLOCK_N} (got {config.block_n} and {config.block_m})"
+    elif not kv_cache.is_cuda:
+        why = "a CUDA device (Gluon kernels have no interpreter)"
+    else:
+        why = tma_unsupported(kv_cache, R, E, decode_sm90.SM90_BLOCK_N) or decode_sm90.sm90_unsupported(
+            kv_cache, q_latent, R, E, rows)
+    if config.sm90:
+        if why is not None:
+            raise ValueError(f"MLAConfig(sm90=True) needs {why}")
+        return True
+    return why is None
+
+
 def resident_programs(shared: int, regs: int, num_warps: int, *, smem_per_sm: int = 233472,
                       regs_per_sm: int = 65536, threads_per_sm: int = 2048) -> int:
     """How many programs of a compiled kernel one SM holds at once (at least 1), from its shared memory per
@@ -397,16 +429,25 @@ def mla_decode_attention(
     q_latent, q_extra, kv_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_extra, kv_cache))
 
     rows = Tq * H
-    block_m, num_warps = config.resolve(rows)
+    sm90 = _use_sm90(config, q_latent, kv_cache, R, E, rows)
+    if sm90:
+        block_m = decode_sm90.SM90_BLOCK_M
+        c_desc, e_desc = decode_sm90.sm90_descriptors(kv_cache, R, E)
+        kernel = decode_sm90.mla_split_kernel_sm90
+        constexprs = decode_sm90.sm90_constexprs(R, E, page_size)
+    else:
+        block_m, num_warps = config.resolve(rows)
+        tma = _use_tma(config, kv_cache, R, E, block_m)
+        c_desc, e_desc = _descriptors(kv_cache, R, E, config.block_n) if tma else (None, None)
+        kernel = _mla_split_kernel
+        constexprs = dict(
+            R=R, RH=_half_width(R), E=E, EP=max(16, triton.next_power_of_2(E)), PAGE=page_size,
+            BM=block_m, BN=config.block_n, UPCAST=dot_upcast(_mla_split_kernel),
+            PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+            TILE_IN_PAGE=page_size % config.block_n == 0, TMA=tma, num_warps=num_warps,
+            num_stages=config.num_stages,
+        )
     row_blocks = triton.cdiv(rows, block_m)
-    tma = _use_tma(config, kv_cache, R, E, block_m)
-    c_desc, e_desc = _descriptors(kv_cache, R, E, config.block_n) if tma else (None, None)
-    constexprs = dict(
-        R=R, RH=_half_width(R), E=E, EP=max(16, triton.next_power_of_2(E)), PAGE=page_size,
-        BM=block_m, BN=config.block_n, UPCAST=dot_upcast(_mla_split_kernel),
-        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        TILE_IN_PAGE=page_size % config.block_n == 0, TMA=tma, num_warps=num_warps, num_stages=config.num_stages,
-    )
 
     def split_args(num_splits: int, split_len: int):
         partial = torch.empty(B, num_splits, rows, R, dtype=torch.float32, device=q_latent.device)
@@ -423,13 +464,13 @@ def mla_decode_attention(
     per_sm = 2
     if config.num_splits is None and q_latent.is_cuda:  # a grid of whole waves of resident programs
         per_sm = _resident_split_programs(
-            (q_latent.device, q_latent.dtype, *constexprs.items()),
-            lambda: _mla_split_kernel.warmup(*split_args(1, max_seq_len)[2], grid=(1,), **constexprs),
+            (q_latent.device, q_latent.dtype, sm90, *constexprs.items()),
+            lambda: kernel.warmup(*split_args(1, max_seq_len)[2], grid=(1,), **constexprs),
             q_latent.device)
     num_splits, split_len = plan_splits(B, row_blocks, max_seq_len, config.block_n, q_latent.device,
                                         config.num_splits, per_sm)
     partial, lse, args = split_args(num_splits, split_len)
-    _mla_split_kernel[(row_blocks, num_splits, B)](*args, **constexprs)
+    kernel[(row_blocks, num_splits, B)](*args, **constexprs)
     _mla_merge_kernel[(rows, B)](
         partial, lse, out,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
