@@ -48,11 +48,12 @@ def test_attention_core_matches_reference(dtype, Tq, page):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "dtype,block_m,num_splits",
-    [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.float32, 16, 2), (torch.bfloat16, 16, 3)],
+    [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.float32, 32, 2), (torch.bfloat16, 64, 3)],
 )
 def test_speculative_verification_tq4(dtype, block_m, num_splits):
-    """Tq = 4 draft tokens x 8 heads: all 32 rows in one block (default) or in two blocks of 16 rows; long
-    slices mix mask-free tiles with the masked tail, short ones put draft tokens in every place."""
+    """Tq = 4 draft tokens x 8 heads: 32 rows in two blocks of 16 (default), one block of 32, or one 64-row
+    block half of whose rows are padding; long slices mix mask-free tiles with the masked tail, short ones put
+    draft tokens in every place."""
     Tq, heads = 4, 8
     q_latent, q_extra, kv_cache, block_table, seq_lens = _paged_problem(
         fresh_generator(), dtype, Tq, lengths=(4, 45, 23), page=16, heads=heads)
