@@ -30,6 +30,11 @@ Design decisions:
   ``[BN, R/2]`` halves plus the ``[BN, e]`` extra values. Same products, split along R; a half (256 wide
   for the released shapes) is also the widest box of a tensor-memory-access copy, so with ``MLAConfig.tma``
   the unmasked tiles are three descriptor copies per tile instead of per-thread pointer loads.
+- On Hopper, 33 to 64 query rows per sequence go to the Gluon split kernel of :mod:`k3.kernels.mla.decode_sm90`
+  (same arguments, partial states and merge): Triton places a 64-row score tile that feeds a second product on
+  all eight warps along its rows, so both warpgroups of the kernel below compute the same scores; the Gluon
+  kernel gives each warpgroup its own keys. This kernel stays the reference the CPU tests check and the path
+  everywhere else.
 - Softmax in fp32 with exp2 and the scale folded into log2 space; ``p`` is rounded to the cache dtype for the
   ``p . c`` product (bf16 tensor cores), accumulation is fp32.
 """
