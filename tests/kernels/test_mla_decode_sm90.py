@@ -78,14 +78,17 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU and TRITON_INTERPRET=0")
-@pytest.mark.parametrize("Tq,heads,lengths", [(4, 16, (4, 63, 64, 1000, 4097)), (1, 64, (1, 65, 700, 3000, 128)),
-                                              (3, 16, (3, 200, 64, 1333, 9)), (2, 24, (2, 90, 2048, 777, 300))])
+@pytest.mark.parametrize("Tq,heads,lengths,R,out_dtype", [
+    (4, 16, (4, 63, 64, 1000, 4097), 512, torch.bfloat16), (1, 64, (1, 65, 700, 3000, 128), 512, torch.float32),
+    (3, 16, (3, 200, 64, 1333, 9), 512, torch.bfloat16), (2, 24, (2, 90, 2048, 777, 300), 256, torch.float32),
+])
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_matches_the_reference_on_hopper(Tq, heads, lengths, num_splits):
+def test_matches_the_reference_on_hopper(Tq, heads, lengths, R, out_dtype, num_splits):
     """Ragged lengths put slices before, across and past each sequence's end and the draft tokens at every
-    offset of a tile; cache rows past each end are NaN, so a tail tile that read them would show."""
+    offset of a tile; cache rows past each end are NaN, so a tail tile that read them would show. Latent widths
+    512 (the released model) and 256 (``bench-1b``); bf16 and fp32 outputs (``mla_decode`` asks for fp32)."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
-    dev, R, E, page = torch.device("cuda"), 512, 64, 64
+    dev, E, page = torch.device("cuda"), 64, 64
     B = len(lengths)
     max_pages = -(-max(lengths) // page)
     kv = torch.randn(B * max_pages + 3, page, R + E, device=dev, generator=gen).bfloat16()
@@ -97,7 +100,7 @@ def test_matches_the_reference_on_hopper(Tq, heads, lengths, num_splits):
     ql = torch.randn(B, Tq, heads, R, device=dev, generator=gen).bfloat16()
     qe = torch.randn(B, Tq, heads, E, device=dev, generator=gen).bfloat16()
     ref = mla_decode_attention_reference(ql.float(), qe.float(), kv.float(), table, lens)
-    out = poisoned_empty(B, Tq, heads, R, dtype=torch.bfloat16, device=dev)
+    out = poisoned_empty(B, Tq, heads, R, dtype=out_dtype, device=dev)
     ours = mla_decode_attention(ql, qe, kv, table, lens, out=out, config=MLAConfig(sm90=True, num_splits=num_splits))
     assert_close(ours, ref, torch.bfloat16)
     portable = mla_decode_attention(ql, qe, kv, table, lens, config=MLAConfig(sm90=False, num_splits=num_splits))
