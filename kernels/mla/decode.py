@@ -30,7 +30,7 @@ Design decisions:
   ``[BN, R/2]`` halves plus the ``[BN, e]`` extra values. Same products, split along R; a half (256 wide
   for the released shapes) is also the widest box of a tensor-memory-access copy, so with ``MLAConfig.tma``
   the unmasked tiles are three descriptor copies per tile instead of per-thread pointer loads.
-- On Hopper, 33 to 64 query rows per sequence go to the Gluon split kernel of :mod:`k3.kernels.mla.decode_sm90`
+- On Hopper, more than 32 query rows per sequence go to the Gluon split kernel of :mod:`k3.kernels.mla.decode_sm90`
   (same arguments, partial states and merge): Triton places a 64-row score tile that feeds a second product on
   all eight warps along its rows, so both warpgroups of the kernel below compute the same scores; the Gluon
   kernel gives each warpgroup its own keys. This kernel stays the reference the CPU tests check and the path
@@ -84,7 +84,7 @@ class MLAConfig:
             ``True`` asks for it (also under the interpreter) and is an error where the layout does not
             allow it; ``False`` never.
         sm90: run the split kernel of :mod:`k3.kernels.mla.decode_sm90` (Gluon, explicit warpgroup layouts, for
-            33 to 64 query rows per sequence) instead of the portable one. ``None``: on an sm90 GPU wherever it
+            more than 32 query rows per sequence, in blocks of 64) instead of the portable one. ``None``: on an sm90 GPU wherever it
             applies (see :func:`k3.kernels.mla.decode_sm90.sm90_unsupported`; it also needs the descriptor
             layout and 64-key tiles); ``True`` asks for it and is an error where it does not apply; ``False``
             never.

@@ -1,4 +1,4 @@
-"""Hopper (sm90) split kernel of the absorbed MLA decode, written in Gluon for 64-row query blocks.
+"""Hopper (sm90) split kernel of the absorbed MLA decode, written in Gluon for blocks of 64 query rows.
 
 The portable split kernel (:mod:`k3.kernels.mla.decode`) leaves warp placement to Triton, and for a
 ``[64, BN]`` score tile that feeds a second product Triton puts all eight warps along the rows: the two
@@ -72,8 +72,8 @@ def sm90_unsupported(kv_cache: Tensor, q_latent: Tensor, R: int, E: int, rows: i
         return "an sm90 (Hopper) GPU"
     if q_latent.dtype != kv_cache.dtype:
         return f"queries in the cache dtype (got {q_latent.dtype} and {kv_cache.dtype})"
-    if not 32 < rows <= SM90_BLOCK_M:
-        return f"Tq * H in (32, {SM90_BLOCK_M}] (got {rows})"
+    if rows <= 32:  # 16-row blocks of the portable kernel serve these better
+        return f"Tq * H > 32 (got {rows})"
     if _shared_bytes(R, E, kv_cache.element_size()) > _SHARED_LIMIT:
         return f"R + e small enough for two key slots in shared memory (got {R} + {E})"
     return None

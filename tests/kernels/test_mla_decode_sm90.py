@@ -81,12 +81,14 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("Tq,heads,lengths,R,out_dtype", [
     (4, 16, (4, 63, 64, 1000, 4097), 512, torch.bfloat16), (1, 64, (1, 65, 700, 3000, 128), 512, torch.float32),
     (3, 16, (3, 200, 64, 1333, 9), 512, torch.bfloat16), (2, 24, (2, 90, 2048, 777, 300), 256, torch.float32),
+    (1, 96, (1, 64, 999, 2500, 65), 512, torch.float32), (4, 24, (4, 130, 1024, 3001, 7), 512, torch.bfloat16),
 ])
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_matches_the_reference_on_hopper(Tq, heads, lengths, R, out_dtype, num_splits):
     """Ragged lengths put slices before, across and past each sequence's end and the draft tokens at every
     offset of a tile; cache rows past each end are NaN, so a tail tile that read them would show. Latent widths
-    512 (the released model) and 256 (``bench-1b``); bf16 and fp32 outputs (``mla_decode`` asks for fp32)."""
+    512 (the released model) and 256 (``bench-1b``); bf16 and fp32 outputs (``mla_decode`` asks for fp32); 96
+    query rows (the released model's heads, or Tq = 4 x 24) take two row blocks, the second one half padding."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ()).item()))
     dev, E, page = torch.device("cuda"), 64, 64
     B = len(lengths)
