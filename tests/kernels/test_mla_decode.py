@@ -83,6 +83,22 @@ def test_full_absorbed_path_tq4(dtype):
     assert_close(ours, ref, dtype)
 
 
+@pytest.mark.timeout(120)
+def test_many_slices_merge_into_one_output():
+    """20 slices of 16 keys: the merge combines up to 19 partial states per row; slices past a sequence's end are
+    empty (lse = -inf) and must weigh nothing."""
+    gen = fresh_generator()
+    lengths, page, max_pages = (300, 17, 161), 16, 20
+    kv_cache = torch.randn(3 * max_pages, page, R + E, generator=gen)
+    block_table = torch.randperm(3 * max_pages, generator=gen).int().view(3, max_pages)
+    q_latent, q_extra = torch.randn(3, 2, H, R, generator=gen), torch.randn(3, 2, H, E, generator=gen)
+    seq_lens = torch.tensor(lengths)
+    out = poisoned_empty(3, 2, H, R, dtype=torch.float32)
+    o = mla_decode_attention(q_latent, q_extra, kv_cache, block_table, seq_lens, out=out,
+                             config=MLAConfig(block_n=16, num_splits=20))
+    assert_close(o, mla_decode_attention_reference(q_latent, q_extra, kv_cache, block_table, seq_lens), torch.float32)
+
+
 def test_causality_among_the_new_tokens():
     """With Tq = 2 the first new token must not see the second: changing the last cache row leaves it alone."""
     gen = fresh_generator()
