@@ -483,7 +483,7 @@ def bench_mla(bench: Bench) -> None:
 
 
 def _time_mla(bench: Bench, B: int, L: int, H: int, Tq: int) -> None:
-    from k3.kernels.mla.decode import mla_decode_attention
+    from k3.kernels.mla.decode import mla_decode_attention, split_kernel
     from k3.kernels.mla.reference import gather_pages
 
     dev = bench.dev
@@ -507,7 +507,7 @@ def _time_mla(bench: Bench, B: int, L: int, H: int, Tq: int) -> None:
         bench.check(f"mla_decode vs sdpa Tq={Tq} (bf16)", ours, peer().transpose(1, 2).float(), torch.bfloat16)
     bytes_moved = B * L * 576 * 2 + 2 * B * Tq * H * (512 + 64) * 2
     bench.add(Row("mla_decode attention", f"B{B} L{L} H{H} Tq{Tq} page64", ours_ms, "sdpa (gathered)", peer_ms,
-                  note="CUDA graph"),
+                  note=f"CUDA graph; {split_kernel(ql, kv)} split kernel"),
               bytes_moved=bytes_moved)
     if Tq > 1:
         expected = peer().transpose(1, 2).float() if peer_ms is not None else None

@@ -57,7 +57,10 @@ try:  # Gluon ships with Triton 3.4 and later; without it the sm90 kernel is not
 except ImportError:  # pragma: no cover - depends on the installed Triton
     decode_sm90 = None
 
-__all__ = ["MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits", "resident_programs", "tma_unsupported"]
+__all__ = [
+    "MLAConfig", "mla_decode_attention", "mla_decode", "plan_splits", "resident_programs", "split_kernel",
+    "tma_unsupported",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -342,6 +345,13 @@ def _use_sm90(config: MLAConfig, q_latent: Tensor, kv_cache: Tensor, R: int, E: 
             raise ValueError(f"MLAConfig(sm90=True) needs {why}")
         return True
     return why is None
+
+
+def split_kernel(q_latent: Tensor, kv_cache: Tensor, config: MLAConfig | None = None) -> str:
+    """``"sm90"`` or ``"portable"``: which split kernel :func:`mla_decode_attention` runs for these inputs."""
+    R, E = q_latent.shape[3], kv_cache.shape[2] - q_latent.shape[3]
+    rows = q_latent.shape[1] * q_latent.shape[2]
+    return "sm90" if _use_sm90(config or MLAConfig(), q_latent, kv_cache, R, E, rows) else "portable"
 
 
 def resident_programs(shared: int, regs: int, num_warps: int, *, smem_per_sm: int = 233472,

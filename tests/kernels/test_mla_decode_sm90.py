@@ -17,7 +17,7 @@ import pytest
 import torch
 from utils import assert_close, fresh_generator, poisoned_empty
 
-from k3.kernels.mla.decode import MLAConfig, mla_decode_attention
+from k3.kernels.mla.decode import MLAConfig, mla_decode_attention, split_kernel
 from k3.kernels.mla.reference import mla_decode_attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +70,7 @@ def test_config_is_validated_and_refused_off_hopper():
     table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([100])
     with pytest.raises(ValueError, match=r"sm90=True\) needs"):
         mla_decode_attention(ql, qe, kv, table, lens, config=MLAConfig(sm90=True))
+    assert split_kernel(ql, kv) == "portable"
 
 
 def _hopper() -> bool:
@@ -103,6 +104,7 @@ def test_matches_the_reference_on_hopper(Tq, heads, lengths, R, out_dtype, num_s
     qe = torch.randn(B, Tq, heads, E, device=dev, generator=gen).bfloat16()
     ref = mla_decode_attention_reference(ql.float(), qe.float(), kv.float(), table, lens)
     out = poisoned_empty(B, Tq, heads, R, dtype=out_dtype, device=dev)
+    assert split_kernel(ql, kv) == "sm90"
     ours = mla_decode_attention(ql, qe, kv, table, lens, out=out, config=MLAConfig(sm90=True, num_splits=num_splits))
     assert_close(ours, ref, torch.bfloat16)
     portable = mla_decode_attention(ql, qe, kv, table, lens, config=MLAConfig(sm90=False, num_splits=num_splits))
