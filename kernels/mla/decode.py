@@ -52,9 +52,9 @@ from torch import Tensor
 from k3.kernels.cast import dot_upcast, round_to
 from k3.kernels.mla.reference import DEFAULT_SCALE, absorb_output, absorb_query, check_paged_inputs
 
-try:  # Gluon ships with Triton 3.4 and later; without it the sm90 kernel is not available
+try:  # Gluon ships with Triton 3.4 and later, its names moved between versions; without them, no sm90 kernel
     from k3.kernels.mla import decode_sm90
-except ImportError:  # pragma: no cover - depends on the installed Triton
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     decode_sm90 = None
 
 __all__ = [
