@@ -40,7 +40,7 @@ partial, lse = torch.empty(B, 4, Tq * H, R), torch.empty(B, 4, Tq * H)
 args = (ql, qe, kv, c_desc, e_desc, table, lens, partial, lse, *ql.stride()[:3], *qe.stride()[:3], *kv.stride()[:2],
         table.stride(0), *partial.stride()[:3], *lse.stride()[:2], H, Tq, 512, 0.1)
 c = g.mla_split_kernel_sm90.warmup(*args, grid=(1, 4, B), **g.sm90_constexprs(R, E, page))
-regs, spill_st, spill_ld = ptxas_report(c.asm["ptx"])
+regs = ptxas_report(c.asm["ptx"])[0]
 layouts = sorted(set(re.findall(r"warpsPerCTA = \\[(\\d+), (\\d+)\\], instrShape = \\[(\\d+), (\\d+), (\\d+)\\]",
                                 c.asm["ttgir"])))
 print("RESULT", c.metadata.num_warps, c.metadata.shared, regs, c.asm["ptx"].count("wgmma.mma_async"), layouts)
