@@ -121,6 +121,29 @@ def _tail_tile_to_shared(kv_ptr, bt_ptr, b, s_btb, s_kvp, s_kvr, n0, end, c0_s, 
 
 
 @gluon.jit
+def _tile_scores(ql0_s, ql1_s, qe_s, c0, c1, ke, s_zero):
+    """``S = q_latent . c^T + q_extra . k_extra^T`` of one key tile, in the layout of ``s_zero``."""
+    s = warpgroup_mma(ql0_s, c0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(ql1_s, c1.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(qe_s, ke.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _accumulate_tile(p, alpha, acc0, acc1, p_s, c0, c1, o_layout: gl.constexpr):
+    """``acc = alpha acc + P . c`` on both latent halves; ``P`` goes through shared memory to both warpgroups."""
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc0 = acc0 * alpha_o
+    acc1 = acc1 * alpha_o
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    _cta_barrier()
+    acc0 = warpgroup_mma(p_s, c0, acc0, is_async=True)
+    acc1 = warpgroup_mma(p_s, c1, acc1, is_async=True)
+    return warpgroup_mma_wait(0, deps=(acc0, acc1))
+
+
+@gluon.jit
 def mla_split_kernel_sm90(
     ql_ptr, qe_ptr, kv_ptr, c_desc, e_desc, bt_ptr, len_ptr, op_ptr, lse_ptr,
     s_qlb, s_qlt, s_qlh, s_qeb, s_qet, s_qeh, s_kvp, s_kvr, s_btb,
@@ -204,25 +227,13 @@ def mla_split_kernel_sm90(
         mbarrier.wait(ready.index(slot), (j // 2) & 1)
         c0 = c0_s.index(slot)
         c1 = c1_s.index(slot)
-        s = warpgroup_mma(ql0_s, c0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(ql1_s, c1.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qe_s, ke_s.index(slot).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        s = s * qk_scale  # log2 domain
+        s = _tile_scores(ql0_s, ql1_s, qe_s, c0, c1, ke_s.index(slot), s_zero) * qk_scale  # log2 domain
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
         l_tile = l_tile * alpha[:, None] + p  # row sums taken once, after the loop
         m_i = m_new
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc0 = acc0 * alpha_o
-        acc1 = acc1 * alpha_o
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        acc0 = warpgroup_mma(p_s, c0, acc0, is_async=True)
-        acc1 = warpgroup_mma(p_s, c1, acc1, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        acc0, acc1 = _accumulate_tile(p, alpha, acc0, acc1, p_s, c0, c1, o_layout)
     l_i = gl.sum(l_tile, axis=1)
 
     # masked tiles: the slice's tail and the draft tokens' own keys, one at a time through slot 0
@@ -234,10 +245,7 @@ def mla_split_kernel_sm90(
         _cta_barrier()
         c0 = c0_s.index(0)
         c1 = c1_s.index(0)
-        s = warpgroup_mma(ql0_s, c0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(ql1_s, c1.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qe_s, ke_s.index(0).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
+        s = _tile_scores(ql0_s, ql1_s, qe_s, c0, c1, ke_s.index(0), s_zero)
         pos = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         visible = (pos < end)[None, :] & (pos[None, :] <= query_pos[:, None])
         s = gl.where(visible, s * qk_scale, float("-inf"))
@@ -247,22 +255,13 @@ def mla_split_kernel_sm90(
         p = gl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc0 = acc0 * alpha_o
-        acc1 = acc1 * alpha_o
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        acc0 = warpgroup_mma(p_s, c0, acc0, is_async=True)
-        acc1 = warpgroup_mma(p_s, c1, acc1, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        acc0, acc1 = _accumulate_tile(p, alpha, acc0, acc1, p_s, c0, c1, o_layout)
     mbarrier.invalidate(ready.index(0))
     mbarrier.invalidate(ready.index(1))
 
     seen = l_i > 0.0
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    rows_l = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + b * s_lb + split * s_ls + rows_l, lse, mask=rows_l < Tq * H)
+    gl.store(lse_ptr + b * s_lb + split * s_ls + rows_s, lse, mask=rows_s < Tq * H)
     inv = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))[:, None]
     rows_o = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
     dr_o = gl.arange(0, RH, layout=gl.SliceLayout(0, o_layout))
