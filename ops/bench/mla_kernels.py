@@ -24,6 +24,17 @@ def _rel_rms(actual, expected) -> float:
     return float((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
 
 
+def _rows(spec: str) -> tuple[int, int]:
+    """``TqxH`` -> ``(Tq, H)``, both positive."""
+    try:
+        Tq, H = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TqxH such as 4x16, got {spec!r}") from None
+    if Tq < 1 or H < 1:
+        raise argparse.ArgumentTypeError(f"Tq and H must be positive, got {spec!r}")
+    return Tq, H
+
+
 def _time(fn, inputs, config) -> float:
     from k3.kernels.bench import time_ms
 
@@ -34,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=32768)
-    parser.add_argument("--rows", nargs="+", default=["4x16", "1x64", "2x32"], help="Tq x heads per problem")
+    parser.add_argument("--rows", nargs="+", type=_rows, default=[(4, 16), (1, 64), (2, 32)], metavar="TqxH",
+                        help="query tokens x heads per problem (default: 4x16 1x64 2x32)")
     args = parser.parse_args(argv)
     import torch
 
@@ -54,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = {"portable": MLAConfig(sm90=False), **({"sm90": MLAConfig(sm90=True)} if hopper else {})}
     B, L = args.batch, args.length
     cache_bytes = B * L * 576 * 2
-    for spec in args.rows:
-        Tq, H = (int(v) for v in spec.split("x"))
+    for Tq, H in args.rows:
         ql, qe, kv, table, lens = _paged(B, L, H, Tq, 64, dev)
         one_page = torch.full_like(table, int(table[0, 0]))
         small = _paged(5, 0, H, Tq, 64, dev, lengths=[70, 1000, 333, 64, 4097])

@@ -24,3 +24,11 @@ def test_help_names_the_problem_arguments():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "--rows" in proc.stdout and "--length" in proc.stdout
+
+
+@pytest.mark.parametrize("rows", ["4by16", "0x16", "4x"])
+def test_malformed_rows_are_refused_with_the_expected_form(rows):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--rows", rows], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "TqxH" in proc.stderr or "must be positive" in proc.stderr
+    assert "Traceback" not in proc.stderr
