@@ -6,7 +6,8 @@ What it does, in one process:
    zero at initialisation, gets small random values too, so the gates differ per token and channel), and an
    fp32 copy of the same (bf16-rounded) weights.
 2. Correctness, on short prompts (two sequences of different lengths): forward logits, prefill logits and the
-   logits of a few decode steps of the kernel path (``K3_KERNELS=auto``: Triton on CUDA) against the reference
+   logits of a few decode steps (``K3Model.decode`` and, from the same states moved into pools and pages,
+   ``K3Model.decode_paged``) of the kernel path (``K3_KERNELS=auto``: Triton on CUDA) against the reference
    path (``K3_KERNELS=reference``, switched in-process), as relative RMS error. The bf16 kernel path passes
    when its error against the fp32 reference is at most ``max(2 x the bf16 reference path's own error, 5e-3)``
    (both paths round to bf16 in different places; the kernels must not be less accurate than the readable
@@ -14,11 +15,11 @@ What it does, in one process:
 3. Throughput of the kernel path in bf16, with the reference path as the peer where it fits in time and
    memory: prefill of one 2048-token prompt (``K3Model.prefill``, which also builds the decoding state), a
    batch of 64 prompts of 2048 tokens (``K3Model.forward``: the batched prefill computation, logits for every
-   position, no state), and one decode step at batch 1 and 64 over 2048-token contexts (``K3Model.decode``).
-   Everything runs eagerly: the model's decode API takes and returns per-sequence states (Python objects,
-   growing caches), which a CUDA graph cannot capture, so decode tokens/s include the host's launch and
-   state-bookkeeping overhead (a serving engine with pooled states avoids most of it). Times are CUDA-event
-   medians; tokens/s = tokens per call / time.
+   position, no state), and one decode step at batch 1 and 64 over 2048-token contexts, both as
+   ``K3Model.decode`` (per-sequence states in and out: the caches are stacked, grown and repacked for the
+   kernel on every step) and as ``K3Model.decode_paged`` (what the serving engine runs: state pools and latent
+   pages read and advanced in place), the latter against the former. Everything runs eagerly, so decode
+   tokens/s include the host's launch overhead. Times are CUDA-event medians; tokens/s = tokens per call / time.
 
 Memory: bf16 weights about 2.4 GB, the fp32 copy 4.8 GB (freed before the throughput runs); the largest
 activation is the batch-64 forward's logits (64 x 2048 x 32768 bf16, 8.6 GB). A measurement that runs out of
@@ -83,12 +84,54 @@ def build_model(cfg, device: torch.device, seed: int = 0):
     return model
 
 
+class PagedBatch:
+    """Sequences moved into a server's memory layout: one state-pool row and ``room`` more tokens of pages each.
+
+    Built from ``SequenceState``s (sequence ``b`` gets slot ``b`` and its own run of pages, its latents
+    copied in), it holds exactly the arguments ``K3Model.decode_paged`` takes; ``step`` runs one in-place
+    decode step and counts the token.
+    """
+
+    def __init__(self, model, states: list, room: int, page_size: int = 64):
+        from k3.model.kda import KDAState
+
+        cfg, first = model.cfg, states[0]
+        dev, dtype = model.embed.weight.device, model.embed.weight.dtype
+        B = len(states)
+        self.model = model
+        self.seq_lens = torch.tensor([s.num_tokens for s in states], dtype=torch.int32, device=dev)
+        self.slots = torch.arange(B, device=dev)
+        per_seq = -(-(max(s.num_tokens for s in states) + room) // page_size)
+        self.block_table = torch.arange(B * per_seq, dtype=torch.int32, device=dev).view(B, per_seq)
+        self.kda_pools = {i: KDAState.zeros(B, cfg, dev, dtype) for i in first.kda}
+        width = cfg.kv_lora_rank + cfg.qk_extra_dim
+        self.kv_pages = {i: torch.zeros(B * per_seq, page_size, width, device=dev, dtype=dtype) for i in first.mla}
+        for b, state in enumerate(states):
+            for i, kda in state.kda.items():
+                for name, value in kda.to_dict().items():
+                    getattr(self.kda_pools[i], name)[b] = value[0]
+            for i, cache in state.mla.items():
+                rows = self.kv_pages[i][b * per_seq:(b + 1) * per_seq].flatten(0, 1)  # a view: writes land in the pool
+                rows[: state.num_tokens] = torch.cat([cache.c_kv, cache.k_extra], dim=-1).to(dtype)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step for every sequence without counting it (a timing loop repeats the same step)."""
+        return self.model.decode_paged(tokens, self.slots, self.block_table, self.seq_lens, self.kda_pools,
+                                       self.kv_pages, validate=False)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens)
+        self.seq_lens += 1
+        return logits
+
+
 def run_paths(model, ids: torch.Tensor, lengths: list[int], steps: int) -> dict[str, torch.Tensor]:
-    """Logits of the three inference paths for the current ``K3_KERNELS`` mode.
+    """Logits of the four inference paths for the current ``K3_KERNELS`` mode.
 
     ``forward``: ``model(ids)`` for ``ids [B, T]``; ``prefill``: ``model.prefill`` of ``ids[b, :lengths[b]]``
     (each row's logits, concatenated); ``decode``: ``steps`` decode steps after those prefills, fed the next
-    tokens of ``ids`` (``[steps, B, vocab]``).
+    tokens of ``ids`` (``[steps, B, vocab]``); ``decode_paged``: the same steps through ``decode_paged`` from
+    the same prefill states moved into pools and pages (``PagedBatch``).
     """
     with torch.no_grad():
         out = {"forward": model(ids)}
@@ -98,12 +141,15 @@ def run_paths(model, ids: torch.Tensor, lengths: list[int], steps: int) -> dict[
             prefill.append(logits)
             states.append(state)
         out["prefill"] = torch.cat(prefill)
-        steps_out = []
+        paged = PagedBatch(model, states, room=steps)
+        steps_out, paged_out = [], []
         for s in range(steps):
             tokens = torch.stack([ids[b, n + s] for b, n in enumerate(lengths)])
             logits, states = model.decode(tokens, states)
             steps_out.append(logits)
+            paged_out.append(paged.step(tokens))
         out["decode"] = torch.stack(steps_out)
+        out["decode_paged"] = torch.stack(paged_out)
     return out
 
 
@@ -133,7 +179,7 @@ def check_model(bench, model, kernel_mode: str = "auto") -> None:
         ref = run_paths(model, ids, lengths, steps)
     with kernel_mode_as(kernel_mode):
         ours = run_paths(model, ids, lengths, steps)
-    for path in ("forward", "prefill", "decode"):
+    for path in ("forward", "prefill", "decode", "decode_paged"):
         err32 = _rel_rms(fp32_kernels[path], exact[path])
         _record(bench, f"{PRESET} {path} logits, kernels vs reference (fp32)", err32 <= FP32_TOL,
                 rel_rms=err32, tolerance=FP32_TOL)
@@ -199,6 +245,22 @@ def time_model(bench, model) -> None:
             with kernel_mode_as("reference"):
                 peer = _timed(bench, f"decode B{batch} (reference)", step, iters + 2)
             add("decode step", f"B{batch} ctx{prompt}", batch, ours, peer, "K3Model.decode, eager (no CUDA graph)")
+        # the same step as a server runs it: states in a pool, latents in pages, both advanced in place
+        for batch in (1, big_batch):
+            paged = PagedBatch(model, [state] * batch, room=1)
+            tokens = ids[:batch, 0]
+            with kernel_mode_as("auto"):
+                ours = _timed(bench, f"paged decode B{batch} (kernels)", functools.partial(paged.logits, tokens),
+                              iters + 2)
+                peer = _timed(bench, f"decode B{batch} (kernels)",
+                              functools.partial(model.decode, tokens, [state] * batch), iters + 2)
+            del paged
+            torch.cuda.empty_cache()
+            row = Row(f"{PRESET} decode step, paged", f"B{batch} ctx{prompt}", ours, "K3Model.decode (kernels)",
+                      peer, note="K3Model.decode_paged, eager (no CUDA graph); metric = tokens/s of ours")
+            if ours:
+                row.metric, row.unit = batch / ours * 1e3, "tok/s"
+            bench.add(row)
 
 
 def bench_model(bench) -> None:

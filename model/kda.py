@@ -264,12 +264,15 @@ class KimiDeltaAttention(nn.Module):
     def _finish(self, x: Tensor, o: Tensor, want_state: bool, conv_q: Tensor, conv_k: Tensor, conv_v: Tensor,
                 recurrent: Tensor | None) -> tuple[Tensor, KDAState | None]:
         """Output norm, gate and projection of the core's ``o [B, T, H, V]``; the new state when wanted."""
-        B, T = x.shape[:2]
-        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim)
-        y = self.w_o(o * torch.sigmoid(self.w_g(x)))
+        y = self._output(x, o)
         if not want_state:
             return y, None
         return y, KDAState(conv_q=conv_q, conv_k=conv_k, conv_v=conv_v, recurrent=recurrent.float())
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """Output norm, gate and projection: the core's o [..., H, V] with its input x [..., d] -> y [..., d]."""
+        o = self.o_norm(o).flatten(-2)
+        return self.w_o(o * torch.sigmoid(self.w_g(x)))
 
     def _chunk_kernels(self, x: Tensor, state: KDAState | None, cu_seqlens: Tensor | None,
                        want_state: bool) -> tuple[Tensor, KDAState | None]:
@@ -297,21 +300,34 @@ class KimiDeltaAttention(nn.Module):
         so the state passed in stays untouched, as on the reference path.
         """
         B = x.shape[0]
-        H, K = self.num_heads, self.head_dim
         fresh = KDAState.zeros(B, self.cfg, x.device, x.dtype) if state is None else state
-        slots = torch.arange(B, device=x.device)
-        h = x[:, 0]
-        convs = []
-        outs = []
-        for conv, proj, old in ((self.conv_q, self.w_q, fresh.conv_q), (self.conv_k, self.w_k, fresh.conv_k),
-                                (self.conv_v, self.w_v, fresh.conv_v)):
-            pool = old.to(dtype=x.dtype, copy=True).contiguous()
-            outs.append(dispatch.short_conv_decode_op(proj(h), pool, conv.conv.weight[:, 0], slots, validate=False))
-            convs.append(pool)
-        q, k, v = (t.view(B, H, K) for t in outs)
-        recurrent = fresh.recurrent.to(dtype=torch.float32, copy=True).contiguous()
+        pool = KDAState(
+            conv_q=fresh.conv_q.to(dtype=x.dtype, copy=True).contiguous(),
+            conv_k=fresh.conv_k.to(dtype=x.dtype, copy=True).contiguous(),
+            conv_v=fresh.conv_v.to(dtype=x.dtype, copy=True).contiguous(),
+            recurrent=fresh.recurrent.to(dtype=torch.float32, copy=True).contiguous(),
+        )
+        y = self.decode_in_place(x[:, 0], pool, torch.arange(B, device=x.device))
+        return y[:, None], (pool if want_state else None)
+
+    def decode_in_place(self, h: Tensor, pool: KDAState, slots: Tensor) -> Tensor:
+        """One token for each of B sequences whose states are rows ``slots`` of ``pool``: h [B, d] -> y [B, d].
+
+        ``pool`` holds ``num_slots`` rows of every field (a serving engine's preallocated state pool); the rows
+        ``slots`` (distinct, not checked here) are advanced in place by the short-convolution and recurrent
+        decode ops, the Triton kernels or their references as :mod:`k3.kernels.dispatch` decides. Nothing is
+        gathered or copied, so the step's cost does not depend on the pool's size and its tensors keep their
+        addresses (a CUDA graph can replay it).
+        """
+        B = h.shape[0]
+        H, K = self.num_heads, self.head_dim
+        q, k, v = (
+            dispatch.short_conv_decode_op(proj(h), rows, conv.conv.weight[:, 0], slots, validate=False).view(B, H, K)
+            for conv, proj, rows in ((self.conv_q, self.w_q, pool.conv_q), (self.conv_k, self.w_k, pool.conv_k),
+                                     (self.conv_v, self.w_v, pool.conv_v))
+        )
         o = dispatch.kda_decode_op(
             q, k, v, self.w_fb(self.w_fa(h)).view(B, H, K), self.w_b(h), self.A_log, self.dt_bias,
-            recurrent, slots, lower_bound=self.lower_bound, validate=False,
+            pool.recurrent, slots, lower_bound=self.lower_bound, validate=False,
         )
-        return self._finish(x, o[:, None], want_state, *convs, recurrent)
+        return self._output(h, o)

@@ -266,6 +266,30 @@ class GatedMLA(nn.Module):
         )
         return self.wo(gated[:, 0])
 
+    def decode_paged(self, x: Tensor, kv_pages: Tensor, block_table: Tensor, seq_lens: Tensor) -> Tensor:
+        """One token for each of B sequences whose latents live in a page pool, read and grown in place.
+
+        ``kv_pages [num_pages, page_size, R + e]`` holds every sequence's cached ``[c | k_extra]`` rows (the layout
+        of :mod:`k3.kernels.mla.reference`); sequence ``b`` owns pages ``block_table[b]`` (int32 ``[B, W]``) and
+        has ``seq_lens[b]`` tokens cached before this one. The new token's latents are written at position
+        ``seq_lens[b]`` (its page must be in the table) and the absorbed attention then reads
+        ``seq_lens[b] + 1`` tokens through the page table, the Triton kernel or its reference as
+        :mod:`k3.kernels.dispatch` decides. Nothing is gathered or repacked: the step costs what it reads, and
+        its tensors keep their addresses (a CUDA graph can replay it). x [B, d] -> y [B, d].
+        """
+        B = x.shape[0]
+        page_size = kv_pages.shape[1]
+        c_new, e_new = self.latents(x)
+        positions = seq_lens.long()
+        pages = block_table.long().gather(1, (positions // page_size)[:, None])[:, 0]
+        kv_pages[pages, positions % page_size] = torch.cat([c_new, e_new], dim=-1).to(kv_pages.dtype)
+        q_nope, q_extra = self.queries(x[:, None])  # [B, 1, H, n], [B, 1, H, e]
+        gated = dispatch.mla_decode_op(
+            q_nope, q_extra.to(kv_pages.dtype), kv_pages, block_table, (positions + 1).to(torch.int32),
+            self.wkv_b.weight, self.w_gate(x[:, None]), scale=self.scale, validate=False,
+        )
+        return self.wo(gated[:, 0].reshape(B, -1).to(x.dtype))
+
     def _absorbed_attend(self, q_nope: Tensor, q_extra: Tensor, c: Tensor, k_extra: Tensor,
                          valid: Tensor) -> Tensor:
         """Attention straight over cached latents. q_nope [B, H, n], q_extra [B, H, e], c [B, L, R],

@@ -12,17 +12,20 @@ Layer i (0-based) is a token mixer (KDA or gated MLA, ``cfg.layer_kind(i)``) fol
         p = p + ffn_i(ffn_norm_i(aggregate(p, bank; w_ffn_i)))
     logits = lm_head(final_norm(aggregate(p, bank; w_final)))
 
-Three ways to run it, sharing the layer code and differing only in how the token mixers are called:
+Four ways to run it, sharing the layer code and differing only in how the token mixers are called:
 
 - ``forward(input_ids, cu_seqlens=None, visual=None)``: training; [B, T] or packed [1, N] with ``cu_seqlens``.
 - ``prefill(input_ids, state=None, visual=None)``: one sequence, continuing from a ``SequenceState``; returns the
   new state.
 - ``decode(token_ids, states)``: one token for each of B independent sequences.
+- ``decode_paged(token_ids, slots, block_table, seq_lens, kda_pools, kv_pages)``: the same step for a server's
+  preallocated state pools and latent pages, advanced in place.
 
 ``visual`` (``k3.model.multimodal.VisualEmbeds``) replaces the embeddings at the image placeholder positions by
 visual tokens; without it the embedding lookup is exactly the text-only one.
 
-``prefill``/``decode`` run under ``torch.no_grad`` and never modify the states passed in.
+``prefill``/``decode`` run under ``torch.no_grad`` and never modify the states passed in; ``decode_paged`` (also
+no-grad) advances its pools in place, which is its purpose.
 
 Initialisation: projections normal(0, 0.02), norms ones, AttnRes queries zeros; the embedding normal(0, 1)
 (normal(0, d^-1/2) when tied to the LM head, so the first logits stay O(1)). The KDA layer initialises itself.
@@ -30,7 +33,7 @@ Initialisation: projections normal(0, 0.02), norms ones, AttnRes queries zeros; 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +41,7 @@ from torch import Tensor, nn
 
 from k3.model.attnres import AttnResMixer
 from k3.model.config import K3Config
-from k3.model.kda import KimiDeltaAttention
+from k3.model.kda import KDAState, KimiDeltaAttention
 from k3.model.mla import GatedMLA, check_cu_seqlens
 from k3.model.moe import LatentMoE
 from k3.model.multimodal import VisualEmbeds, insert_visual
@@ -269,6 +272,86 @@ class K3Model(nn.Module):
             for b in range(batch)
         ]
         return logits, new_states
+
+    @torch.no_grad()
+    def decode_paged(self, token_ids: Tensor, slots: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     kda_pools: Mapping[int, KDAState], kv_pages: Mapping[int, Tensor], *,
+                     validate: bool = True) -> Tensor:
+        """``decode`` for a server's preallocated memory: one token per sequence, states read and advanced in place.
+
+        Sequence ``b`` owns row ``slots[b]`` of every KDA layer's state pool (``kda_pools[i]``, a ``KDAState`` of
+        ``num_slots`` rows) and the pages ``block_table[b]`` (int32 ``[B, W]``) of every MLA layer's page pool
+        (``kv_pages[i]``, ``[num_pages, page_size, R + e]``, the layout of ``k3.kernels.mla.reference``), where
+        ``seq_lens[b]`` tokens are cached. The step writes the new token's latents at position ``seq_lens[b]``
+        and advances the KDA rows; the caller counts the token (``seq_lens[b] + 1`` next time).
+
+        Unlike ``decode`` nothing is gathered, stacked or copied per sequence, so a step costs what its kernels
+        read and its tensors keep their addresses (capturable in a CUDA graph). Per row it computes the same
+        function as ``decode`` (tested). ``validate=False`` skips the checks of the index values (each is a
+        device synchronisation on a GPU) for a caller that built them itself; shapes are always checked. If a
+        step raises part-way (e.g. a remote expert pool fails), the rows of that batch may be half-advanced.
+
+        Returns logits [B, vocab].
+        """
+        batch = token_ids.shape[0] if token_ids.dim() == 1 else 0
+        self._check_paged(batch, token_ids, slots, block_table, seq_lens, kda_pools, kv_pages, validate)
+
+        def mix(layer: K3Layer, h: Tensor) -> Tensor:
+            i = layer.layer_idx
+            if layer.kind == "kda":
+                return layer.attn.decode_in_place(h[:, 0], kda_pools[i], slots)[:, None]
+            return layer.attn.decode_paged(h[:, 0], kv_pages[i], block_table, seq_lens)[:, None]
+
+        x = self.embed(token_ids.to(self.embed.weight.device))[:, None]  # [B, 1, d]
+        return self.lm_head(self._trunk(x, mix))[:, 0]
+
+    def _check_paged(self, batch: int, token_ids: Tensor, slots: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     kda_pools: Mapping[int, KDAState], kv_pages: Mapping[int, Tensor], validate: bool) -> None:
+        """Shapes, dtypes and layer sets of ``decode_paged``'s arguments; index values when ``validate``."""
+        if batch == 0:
+            raise ValueError(f"token_ids must be a non-empty [B], got shape {tuple(token_ids.shape)}")
+        for name, t, dtypes in (("token_ids", token_ids, (torch.int32, torch.int64)),
+                                ("slots", slots, (torch.int32, torch.int64)),
+                                ("seq_lens", seq_lens, (torch.int32, torch.int64))):
+            if t.shape != (batch,) or t.dtype not in dtypes:
+                raise ValueError(f"{name} must be an int32/int64 tensor [B={batch}], got {tuple(t.shape)} {t.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+            raise ValueError(f"block_table must be int32 [B={batch}, W], got {tuple(block_table.shape)} "
+                             f"{block_table.dtype}")
+        kda_layers = [layer.layer_idx for layer in self.layers if layer.kind == "kda"]
+        mla_layers = [layer.layer_idx for layer in self.layers if layer.kind == "mla"]
+        if sorted(kda_pools) != kda_layers or sorted(kv_pages) != mla_layers:
+            raise ValueError(f"kda_pools must hold layers {kda_layers} and kv_pages layers {mla_layers}, got "
+                             f"{sorted(kda_pools)} and {sorted(kv_pages)}")
+        num_slots = {pool.batch_size for pool in kda_pools.values()}
+        for pool in kda_pools.values():
+            pool.check(pool.batch_size, self.cfg)
+        width = self.cfg.kv_lora_rank + self.cfg.qk_extra_dim
+        shapes = {tuple(pages.shape) for pages in kv_pages.values()}
+        if len(num_slots) > 1 or len(shapes) > 1:
+            raise ValueError(f"every layer's pool must have the same rows: slots {sorted(num_slots)}, "
+                             f"pages {sorted(shapes)}")
+        if any(pages.dim() != 3 or pages.shape[2] != width for pages in kv_pages.values()):
+            raise ValueError(f"kv_pages must be [num_pages, page_size, R + e = {width}], got {sorted(shapes)}")
+        if not validate:
+            return
+        self._check_ids(token_ids, "token_ids")
+        if num_slots:
+            (rows,) = num_slots
+            if int(slots.min()) < 0 or int(slots.max()) >= rows or slots.unique().numel() != batch:
+                raise ValueError(f"slots must be distinct and lie in [0, {rows}), got {slots.tolist()}")
+        if int(seq_lens.min()) < 0 or int(seq_lens.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"seq_lens must lie in [0, max_seq_len={self.cfg.max_seq_len}), got {seq_lens.tolist()}")
+        if shapes:
+            ((num_pages, page_size, _),) = shapes
+            if int(seq_lens.max()) >= block_table.shape[1] * page_size:
+                raise ValueError(f"block_table's {block_table.shape[1]} pages of {page_size} tokens cannot hold "
+                                 f"token {int(seq_lens.max())}")
+            used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] <= (
+                seq_lens.to(block_table.device)[:, None] // page_size)
+            ids = block_table[used]
+            if int(ids.min()) < 0 or int(ids.max()) >= num_pages:
+                raise ValueError(f"block_table entries in use must lie in [0, num_pages={num_pages})")
 
     # -- optimizer -----------------------------------------------------------------------------------------------
     def optimizer_groups(self) -> list[dict]:

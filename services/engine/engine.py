@@ -14,15 +14,17 @@ A scheduler step:
    decodes (3), so a long prompt never stalls the tokens of others. The last chunk's final logits give the
    request's first token;
 3. **decode**: up to ``max_batch`` decoding sequences (rotating when more are resident) advance one token
-   together through ``K3Model.decode``; each samples from its own logits row with its own generator
-   (``sampling``), so batch composition never changes a request's tokens.
+   together through ``K3Model.decode_paged``, which advances their slots and writes their new latent rows in
+   place and reads history through the page tables (nothing gathered, so a step's cost does not grow with
+   what the engine holds); each samples from its own logits row with its own generator (``sampling``), so
+   batch composition never changes a request's tokens.
 
-Requests join and leave the batch at every step: continuous batching. The reference CPU path rebuilds each
-sequence's ``SequenceState`` from its slot (views, no copy) and its pages (gathered into contiguous tensors)
-and writes the model's new state back; see ``pages`` for how a GPU path reads pages in place.
+Requests join and leave the batch at every step: continuous batching. Chunked prefill goes through
+``K3Model.prefill``, which takes a ``SequenceState``: the sequence's slot (views, no copy) and its pages
+(gathered into contiguous tensors), the new state written back after the chunk.
 
-Numerics: ``K3Model.decode`` on a batch computes each row exactly as it would alone, and sampling is per
-request, so in fp32 the served tokens equal ``k3.model.generate.generate`` token for token (tested).
+Numerics: ``decode_paged`` on a batch computes each row as ``K3Model.decode`` would for it alone, and sampling
+is per request, so in fp32 the served tokens equal ``k3.model.generate.generate`` token for token (tested).
 
 End of a request's turn: with ``on_final_state``, a finished sequence stays one more step to run its last
 token through the model (``generate`` never does, it has nothing to predict), so the state handed to the
@@ -583,16 +585,22 @@ class Engine:
                 self._sample(seq, logits[-1])
 
     def _decode(self, batch: list[_Sequence]) -> None:
-        tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long, device=self.device)
+        device = self.device
+        tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long, device=device)
+        slots = torch.tensor([s.slot for s in batch], dtype=torch.long, device=device)
+        seq_lens = torch.tensor([s.num_tokens for s in batch], dtype=torch.int32, device=device)
+        table = self.pages.block_table([s.pages for s in batch], max(s.num_tokens for s in batch) + 1).to(device)
         with step_span(self._tracer, "k3.engine.decode_step", [s.trace_context for s in batch],
                        {"k3.engine.batch": len(batch)}):
-            logits, states = self.model.decode(tokens, [self._state_of(s) for s in batch])
+            # the engine built every index itself (pages reserved at admission), so no value checks
+            logits = self.model.decode_paged(tokens, slots, table, seq_lens, self.slots.states, self.pages.kv,
+                                             validate=False)
         self.metrics.add_tokens(len(batch), "decode")
         with self._lock:  # rotate: the sequences just run go to the back of the line
             ran = set(map(id, batch))
             self._decoding = [s for s in self._decoding if id(s) not in ran] + batch
-        for seq, row, state in zip(batch, logits, states, strict=True):
-            self._store(seq, state)
+        for seq, row in zip(batch, logits, strict=True):
+            seq.num_tokens += 1
             seq.next_token = None
             if seq.abort_requested:
                 continue

@@ -12,10 +12,12 @@ Design decisions:
 - Pages are taken when a request is admitted, for its whole budget (prompt + max tokens): a running sequence
   can never run out of pages mid-generation, so nothing ever has to be preempted or swapped. The price is
   memory reserved for tokens that may never be generated.
-- The reference (CPU) decode path ``gather``s a sequence's pages into the contiguous ``[L, R]`` / ``[L, e]``
-  tensors that ``GatedMLA.decode`` expects. The pool layout (contiguous pages, an integer page table per
-  sequence) is the one a GPU paged-attention decode kernel reads in place, following the page table instead
-  of gathering; this module is the bookkeeping both share.
+- A layer's pool is one ``[num_pages, page_size, R + e]`` tensor (``kv``), the latent and the extra key of a
+  token side by side: the layout the paged MLA decode kernel and its reference read in place
+  (``K3Model.decode_paged``), following the page table. ``c_kv`` and ``k_extra`` are views of its two parts.
+- Decode never gathers: ``decode_paged`` writes each new row into its page and reads history where it lies.
+  ``gather`` (contiguous ``[L, R]`` / ``[L, e]`` copies) serves the paths that take a ``SequenceState``:
+  chunked prefill, pausing, and handing a finished sequence's state over.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class PagedLatentCache:
         self.cfg = cfg
         self.num_pages, self.page_size = num_pages, page_size
         self.layers = [i for i in range(cfg.num_layers) if cfg.layer_kind(i) == "mla"]
-        self.c_kv = {i: torch.zeros(num_pages, page_size, cfg.kv_lora_rank, device=device, dtype=dtype)
-                     for i in self.layers}
-        self.k_extra = {i: torch.zeros(num_pages, page_size, cfg.qk_extra_dim, device=device, dtype=dtype)
-                        for i in self.layers}
+        width = cfg.kv_lora_rank + cfg.qk_extra_dim
+        # layer -> page pool [num_pages, page_size, R + e], what K3Model.decode_paged reads and grows
+        self.kv = {i: torch.zeros(num_pages, page_size, width, device=device, dtype=dtype) for i in self.layers}
+        self.c_kv = {i: kv[..., :cfg.kv_lora_rank] for i, kv in self.kv.items()}
+        self.k_extra = {i: kv[..., cfg.kv_lora_rank:] for i, kv in self.kv.items()}
         self._free = list(range(num_pages - 1, -1, -1))
 
     @property
@@ -48,8 +51,17 @@ class PagedLatentCache:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over every MLA layer (latent and extra key rows)."""
-        return sum(self.c_kv[i][0].numel() * self.c_kv[i].element_size()
-                   + self.k_extra[i][0].numel() * self.k_extra[i].element_size() for i in self.layers)
+        return sum(kv[0].numel() * kv.element_size() for kv in self.kv.values())
+
+    def block_table(self, tables: list[list[int]], num_tokens: int) -> Tensor:
+        """int32 ``[B, pages_for(num_tokens)]``: the first pages of each sequence's table (page 0 where a table is
+        shorter; such entries lie past the sequence's length and are never read)."""
+        width = self.pages_for(num_tokens)
+        out = torch.zeros(len(tables), width, dtype=torch.int32)
+        for b, table in enumerate(tables):
+            used = table[:width]
+            out[b, :len(used)] = torch.as_tensor(used, dtype=torch.int32)
+        return out
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -37,6 +37,11 @@ class SlotPool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property
+    def states(self) -> dict[int, KDAState]:
+        """Layer -> the whole pool (``num_slots`` rows of every field), what ``K3Model.decode_paged`` advances."""
+        return self._states
+
+    @property
     def free(self) -> int:
         return len(self._free)
 

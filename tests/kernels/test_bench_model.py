@@ -43,6 +43,8 @@ def test_run_paths_shapes_and_seeded_build():
     # the decode logits continue the prefills: the first step's equal the forward logits at that position
     torch.testing.assert_close(out["decode"][0, 0], out["forward"][0, 6], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out["decode"][2, 1], out["forward"][1, 6], rtol=1e-4, atol=1e-4)
+    # the in-place steps from the same states, moved into pools and pages, give the same logits
+    torch.testing.assert_close(out["decode_paged"], out["decode"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.timeout(300)
@@ -53,7 +55,7 @@ def test_check_model_passes_through_the_interpreted_kernels():
     model = build_model(K3Config(**CFG), runner.dev, seed=int(torch.randint(0, 1000, (1,)))).to(torch.bfloat16)
     check_model(runner, model, kernel_mode="triton")
     checks = runner.report.checks
-    assert len(checks) == 6 and all(c["ok"] for c in checks), checks
+    assert len(checks) == 8 and all(c["ok"] for c in checks), checks
     assert all(0 < c["rel_rms"] for c in checks)  # the kernel path really differs from the reference
 
 

@@ -115,6 +115,65 @@ def test_model_logits_through_kernels_match_reference(dtype, monkeypatch, launch
                 f"{path}: kernels {err:.2e} vs reference path {ref_err:.2e} (relative RMS against fp32)")
 
 
+def _paged_decode(model: K3Model, mode: str, ids: torch.Tensor, prompt: int, monkeypatch,
+                  gen: torch.Generator) -> torch.Tensor:
+    """The decode steps of ``_run`` through ``decode_paged``: prompts prefilled (reference path), their states
+    stored in slots 2 and 0 of a three-slot pool and in scattered pages of 4 tokens, every other row poisoned."""
+    from k3.model.kda import KDAState
+
+    page_size, slots, tables = 4, [2, 0], [[5, 1, 3], [0, 4, 2]]
+    dtype = model.embed.weight.dtype
+    cfg = model.cfg
+    width = cfg.kv_lora_rank + cfg.qk_extra_dim
+    kda = {i: KDAState.zeros(3, cfg, dtype=dtype) for i in range(cfg.num_layers) if cfg.layer_kind(i) == "kda"}
+    pages = {i: torch.randn(6, page_size, width, generator=gen).to(dtype)
+             for i in range(cfg.num_layers) if cfg.layer_kind(i) == "mla"}
+    for pool in kda.values():
+        pool.recurrent.normal_(generator=gen)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    for b, row in enumerate(ids):
+        _, state = model.prefill(row[:prompt])
+        for i, s in state.kda.items():
+            for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
+                getattr(kda[i], name)[slots[b]] = getattr(s, name)[0]
+        for i, cache in state.mla.items():
+            for t, latent in enumerate(torch.cat([cache.c_kv, cache.k_extra], dim=-1)):
+                pages[i][tables[b][t // page_size], t % page_size] = latent
+    monkeypatch.setenv(dispatch.ENV_VAR, mode)
+    steps = []
+    for t in range(prompt, ids.shape[1]):
+        seq_lens = torch.full((ids.shape[0],), t, dtype=torch.int32)
+        table = torch.tensor([tb[: t // page_size + 1] for tb in tables], dtype=torch.int32)
+        steps.append(model.decode_paged(ids[:, t], torch.tensor(slots), table, seq_lens, kda, pages))
+    return torch.stack(steps, dim=1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_through_kernels_matches_reference(dtype, monkeypatch, launches):
+    """``decode_paged`` (state pools and latent pages read and advanced in place) through the kernels against
+    the fp32 reference ``decode`` of the same tokens; the steps cross a page boundary (positions 3 -> 4)."""
+    gen = fresh_generator()
+    model = _model(gen).to(dtype)
+    exact = copy.deepcopy(model).float()
+    ids = torch.randint(0, CFG["vocab_size"], (2, 6), generator=gen)
+    prompt = 3
+    with torch.no_grad():
+        want = _run(exact, "reference", ids, prompt, monkeypatch)["decode"]
+        ref = _paged_decode(model, "reference", ids, prompt, monkeypatch, gen)
+        assert not any(launches.values()), f"reference mode launched kernels: {launches}"
+        got = _paged_decode(model, "triton", ids, prompt, monkeypatch, gen)
+    steps = ids.shape[1] - prompt
+    assert launches["kda_decode"] == steps and launches["short_conv"] == 3 * steps
+    assert launches["mla_decode"] == steps
+    assert torch.isfinite(got).all()
+    err, ref_err = rel_rms(got, want), rel_rms(ref, want)
+    if dtype == torch.float32:
+        assert max(err, ref_err) <= TOLERANCE[dtype], f"kernels {err:.2e}, references {ref_err:.2e}"
+    else:
+        assert err <= max(2 * ref_err, TOLERANCE[dtype]), f"kernels {err:.2e} vs reference path {ref_err:.2e}"
+
+
 def test_decode_kernels_leave_input_states_untouched(monkeypatch):
     """The decode kernels advance pools in place; the model hands them copies, so states stay values."""
     gen = fresh_generator()

@@ -150,3 +150,86 @@ def test_optimizer_groups(model):
     adamw = {id(p) for p in by_kind["adamw"][0]["params"]}
     assert id(model.embed.weight) in adamw and id(model.lm_head.weight) in adamw
     assert all(id(p) in adamw for n, p in model.named_parameters() if p.dim() != 2 and not n.endswith(("w_in", "w_out")))
+
+
+def _pools(model: K3Model, num_slots: int, num_pages: int, page_size: int):
+    """Zeroed KDA state pools and MLA page pools for every layer of ``model`` (what a serving engine holds)."""
+    from k3.model.kda import KDAState
+
+    cfg = model.cfg
+    kda = {i: KDAState.zeros(num_slots, cfg) for i in range(cfg.num_layers) if cfg.layer_kind(i) == "kda"}
+    width = cfg.kv_lora_rank + cfg.qk_extra_dim
+    pages = {i: torch.zeros(num_pages, page_size, width) for i in range(cfg.num_layers)
+             if cfg.layer_kind(i) == "mla"}
+    return kda, pages
+
+
+def _store(state, slot: int, table: list[int], page_size: int, kda, pages) -> None:
+    """Write a ``SequenceState`` into slot ``slot`` and the pages ``table``."""
+    for i, s in state.kda.items():
+        for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
+            getattr(kda[i], name)[slot] = getattr(s, name)[0]
+    for i, cache in state.mla.items():
+        rows = torch.cat([cache.c_kv, cache.k_extra], dim=-1)
+        for t in range(rows.shape[0]):
+            pages[i][table[t // page_size], t % page_size] = rows[t]
+
+
+@pytest.mark.timeout(300)
+def test_decode_paged_equals_decode_and_advances_the_pools_in_place(model):
+    """Three sequences of different lengths in scattered slots and pages: several in-place steps give the logits
+    of ``decode`` on ``SequenceState``s, and the pools then hold exactly the states ``decode`` returned."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    page_size, lengths, slots, tables = 4, [3, 9, 6], [4, 0, 2], [[7, 2, 11, 5, 0], [3, 9, 1, 8, 12], [6, 10, 13, 14, 4]]
+    kda, pages = _pools(model, num_slots=5, num_pages=15, page_size=page_size)
+    for p in [*pages.values(), *(s.recurrent for s in kda.values())]:
+        p.normal_(generator=gen)  # poison: every row a sequence does not own holds garbage
+    states = []
+    for b, n in enumerate(lengths):
+        _, state = model.prefill(torch.randint(0, 512, (n,), generator=gen))
+        _store(state, slots[b], tables[b], page_size, kda, pages)
+        states.append(state)
+    slot_t = torch.tensor(slots)
+    for step in range(6):  # crosses page boundaries for every sequence
+        ids = torch.randint(0, 512, (3,), generator=gen)
+        seq_lens = torch.tensor([s.num_tokens for s in states], dtype=torch.int32)
+        width = -(-(int(seq_lens.max()) + 1) // page_size)
+        table = torch.tensor([t[:width] for t in tables], dtype=torch.int32)
+        want, states = model.decode(ids, states)
+        got = model.decode_paged(ids, slot_t, table, seq_lens, kda, pages)
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), f"step {step}"
+    def close(a, b):  # fp32 noise of a different summation order, relative to the tensor's scale
+        return (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+    for b, state in enumerate(states):
+        for i, s in state.kda.items():
+            assert close(kda[i].recurrent[slots[b]], s.recurrent[0]) and close(kda[i].conv_v[slots[b]], s.conv_v[0])
+        for i, cache in state.mla.items():
+            rows = pages[i][torch.tensor(tables[b])].flatten(0, 1)[:state.num_tokens]
+            assert close(rows, torch.cat([cache.c_kv, cache.k_extra], dim=-1))
+
+
+def test_decode_paged_rejects_bad_indices(model):
+    kda, pages = _pools(model, num_slots=2, num_pages=4, page_size=4)
+    ids, slots, lens = torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, 5], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    model.decode_paged(ids, slots, table, lens, kda, pages)  # the valid call the bad ones below differ from
+    cases = [
+        (dict(slots=torch.tensor([1, 1])), "distinct"),
+        (dict(slots=torch.tensor([0, 2])), "distinct"),
+        (dict(token_ids=torch.tensor([1, 512])), "token_ids must lie"),
+        (dict(seq_lens=torch.tensor([3, 8], dtype=torch.int32)), "cannot hold"),
+        (dict(seq_lens=torch.tensor([-1, 0], dtype=torch.int32)), "seq_lens must lie"),
+        (dict(block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)), "num_pages"),
+        (dict(block_table=table.long()), "int32"),
+        (dict(slots=torch.tensor([0])), r"slots must be .*\[B=2\]"),
+        (dict(kv_pages={}), r"kv_pages layers \[3, 7\], got .* and \[\]"),
+        (dict(kv_pages={i: p[..., :-1] for i, p in pages.items()}), "R \\+ e"),
+    ]
+    args = dict(token_ids=ids, slots=slots, block_table=table, seq_lens=lens, kda_pools=kda, kv_pages=pages)
+    for change, message in cases:
+        before = {i: p.clone() for i, p in pages.items()}
+        with pytest.raises(ValueError, match=message):
+            model.decode_paged(**{**args, **change})
+        assert all(torch.equal(before[i], p) for i, p in pages.items()), "a rejected call must not write"

@@ -84,6 +84,21 @@ def assert_idle(engine: Engine):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def test_decode_steps_read_pages_in_place(model, make_engine, monkeypatch):
+    """Decode never gathers a sequence's pages (only its prefill chunks do): a step reads and grows the pools
+    where they lie, so its cost does not grow with the context; the tokens still equal ``generate``'s."""
+    from k3.services.engine.pages import PagedLatentCache
+
+    gathers = []
+    real = PagedLatentCache.gather
+    monkeypatch.setattr(PagedLatentCache, "gather", lambda self, *a, **k: gathers.append(a) or real(self, *a, **k))
+    prompt = list(range(10, 40))  # 30 tokens: two prefill chunks of 16
+    options = SamplingOptions(max_tokens=12)
+    result = make_engine().generate(prompt, options)
+    assert result.token_ids == reference(model, prompt, options).token_ids
+    assert len(gathers) == 2, f"pages gathered {len(gathers)} times; only the 2 prefill chunks may gather"
+
+
 def test_continuous_batching_matches_generate(model, prompts, make_engine):
     options = [
         SamplingOptions(max_tokens=7),

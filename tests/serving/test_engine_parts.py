@@ -108,6 +108,19 @@ def test_pages_write_and_gather_across_page_boundaries():
     assert cache.free == 8
 
 
+def test_pages_share_one_pool_per_layer_and_build_block_tables():
+    cache = PagedLatentCache(CFG, num_pages=8, page_size=4)
+    table = cache.allocate(3)
+    state = random_state(6)
+    cache.write(table, 0, {i: c for i, c in state.mla.items()})
+    for i, c in state.mla.items():  # c_kv and k_extra are the two parts of the pool decode reads
+        rows = cache.kv[i][torch.tensor(table)].flatten(0, 1)[:6]
+        assert torch.equal(rows, torch.cat([c.c_kv, c.k_extra], dim=-1))
+    assert cache.page_bytes == len(cache.layers) * 4 * (CFG.kv_lora_rank + CFG.qk_extra_dim) * 4
+    blocks = cache.block_table([table, table[:1]], num_tokens=7)  # 7 tokens need 2 pages; a short table pads
+    assert blocks.dtype == torch.int32 and blocks.tolist() == [table[:2], [table[0], 0]]
+
+
 def test_slots_are_zeroed_on_acquire_and_written_in_place():
     pool = SlotPool(CFG, 2)
     a = pool.acquire()
