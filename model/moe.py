@@ -98,7 +98,10 @@ class LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, ids, scores = self.route(flat)
         with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.num_experts)
+            # scatter-add, not bincount: bincount sizes its output from the data, a host synchronisation in
+            # every MoE layer of every step on a GPU (and a step that a CUDA graph could not capture)
+            flat_ids = ids.flatten()
+            self.tokens_per_expert.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
             if self.record_scores:
                 self.last_router_scores = scores.detach()
 

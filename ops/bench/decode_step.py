@@ -10,8 +10,12 @@ time of a step does not depend on the values) run one decode step
 - through ``K3Model.decode_paged`` on the same states moved into a slot pool and pages of 64 tokens, as the
   serving engine holds them: the step writes one row per sequence and reads the rest where it lies.
 
+With ``--graph`` (CUDA only) the in-place step is also captured in a CUDA graph and replayed: the step has no
+host synchronisation on the kernel path (tested), so the whole step, every layer's launches, becomes one graph
+launch. The replay's logits are checked against the same step run eagerly.
+
 Both run the same kernels (``K3_KERNELS`` decides, as everywhere); their logits are compared (relative max
-difference) so the two times are of the same computation. Times are medians over ``--iters`` calls after one
+difference) so the times are of the same computation. Times are medians over ``--iters`` calls after one
 warm-up (CUDA-synchronised on a GPU). Prints a table and, with ``--json PATH``, writes the rows there.
 """
 
@@ -66,6 +70,27 @@ def median_ms(fn, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def graph_step(paged, tokens):
+    """``paged.logits(tokens)`` captured in a CUDA graph: ``(replay, logits)``, ``logits`` being the tensor each
+    replay rewrites. Two warm-up calls first, on a side stream as capture requires (they compile the kernels)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            paged.logits(tokens)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = paged.logits(tokens)
+    return graph.replay, logits
+
+
+def rel_max_diff(got, want) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small")
@@ -74,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=positive, default=5)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--graph", action="store_true", help="also time the in-place step as a CUDA graph (cuda)")
     parser.add_argument("--threads", type=positive, default=1, help="CPU intra-op threads")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -89,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device}")
+    if args.graph and args.device != "cuda":
+        parser.error("--graph needs --device cuda")
     try:
         cfg = get_preset(args.preset)
     except ValueError as exc:
@@ -104,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{args.preset} ({args.dtype}, {args.device}, {torch.get_num_threads()} thread(s)); ms per step, "
           f"median of {args.iters}")
-    print(f"{'batch':>5} {'context':>8} {'decode':>10} {'paged':>10} {'speed-up':>9} {'max diff':>9}")
+    graph_head = f" {'graph':>10} {'speed-up':>9} {'diff':>8}" if args.graph else ""
+    print(f"{'batch':>5} {'context':>8} {'decode':>10} {'paged':>10} {'speed-up':>9} {'max diff':>9}{graph_head}")
     with torch.no_grad():
         for context in args.context:
             state = random_state(model, context, gen)
@@ -114,14 +143,27 @@ def main(argv: list[str] | None = None) -> int:
                 paged = PagedBatch(model, states, room=1)
                 want, _ = model.decode(tokens, states)
                 got = paged.logits(tokens)
-                diff = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+                diff = rel_max_diff(got, want)
                 decode_ms = median_ms(functools.partial(model.decode, tokens, states), args.iters, cuda)
                 paged_ms = median_ms(functools.partial(paged.logits, tokens), args.iters, cuda)
-                rows.append(dict(batch=batch, context=context, decode_ms=decode_ms, paged_ms=paged_ms,
-                                 speedup=decode_ms / paged_ms, max_rel_diff=diff))
-                print(f"{batch:>5} {context:>8} {decode_ms:>10.2f} {paged_ms:>10.2f} {decode_ms / paged_ms:>8.2f}x "
-                      f"{diff:>9.1e}")
+                row = dict(batch=batch, context=context, decode_ms=decode_ms, paged_ms=paged_ms,
+                           speedup=decode_ms / paged_ms, max_rel_diff=diff)
+                line = (f"{batch:>5} {context:>8} {decode_ms:>10.2f} {paged_ms:>10.2f} "
+                        f"{decode_ms / paged_ms:>8.2f}x {diff:>9.1e}")
                 del paged
+                if args.graph:
+                    # the third step of a fresh copy, eagerly and as the replay after the two warm-up calls
+                    eager = PagedBatch(model, states, room=1)
+                    want = [eager.logits(tokens) for _ in range(3)][-1]
+                    replay, logits = graph_step(PagedBatch(model, states, room=1), tokens)
+                    replay()
+                    row["graph_max_rel_diff"] = rel_max_diff(logits, want)
+                    row["graph_ms"] = median_ms(replay, args.iters, cuda)
+                    row["graph_speedup"] = decode_ms / row["graph_ms"]
+                    line += f" {row['graph_ms']:>10.2f} {row['graph_speedup']:>8.2f}x {row['graph_max_rel_diff']:>8.1e}"
+                    del eager, replay, logits
+                rows.append(row)
+                print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(preset=args.preset, dtype=args.dtype, device=args.device, rows=rows), f, indent=1)

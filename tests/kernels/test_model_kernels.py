@@ -174,6 +174,46 @@ def test_paged_decode_through_kernels_matches_reference(dtype, monkeypatch, laun
         assert err <= max(2 * ref_err, TOLERANCE[dtype]), f"kernels {err:.2e} vs reference path {ref_err:.2e}"
 
 
+# aten ops that wait for the device: a value read back to the host, or an output sized by the data
+HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.bincount", "aten._unique", "aten.unique",
+                 "aten.masked_select", "aten.repeat_interleave.Tensor", "aten.equal", "aten.is_nonzero")
+
+
+def test_paged_decode_on_the_kernel_path_never_waits_for_the_device(monkeypatch):
+    """No op of an in-place step on the kernel path reads a value back to the host (on a GPU each such read
+    stalls the launch queue, and a step containing one cannot be captured in a CUDA graph). The reference path
+    does read values back (its MoE loops over experts), which shows the recorder sees them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k3.kernels.bench_model import PagedBatch
+
+    class SyncRecorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith(HOST_SYNC_OPS):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = fresh_generator()
+    model = _model(gen)
+    seen = {}
+    with torch.no_grad():
+        _, state = model.prefill(torch.randint(0, CFG["vocab_size"], (5,), generator=gen))
+        for mode in ("triton", "reference"):
+            monkeypatch.setenv(dispatch.ENV_VAR, mode)
+            paged = PagedBatch(model, [state, state], room=2, page_size=4)
+            tokens = torch.tensor([3, 4])
+            paged.step(tokens)  # first calls may set things up (kernel compilation, occupancy queries)
+            with SyncRecorder() as recorder:
+                paged.step(tokens)
+            seen[mode] = recorder.seen
+    assert seen["triton"] == [], f"the kernel path's decode step synchronises: {seen['triton']}"
+    assert seen["reference"], "the recorder saw no synchronising op on the reference path either"
+
+
 def test_decode_kernels_leave_input_states_untouched(monkeypatch):
     """The decode kernels advance pools in place; the model hands them copies, so states stay values."""
     gen = fresh_generator()

@@ -34,6 +34,7 @@ def test_times_both_paths_on_the_same_computation(tmp_path):
     (["--preset", "huge"], "huge"),
     (["--preset", "tiny", "--context", "5000"], "max_seq_len"),
     (["--device", "tpu"], "cpu or cuda"),
+    (["--graph"], "--graph needs --device cuda"),
 ])
 def test_bad_arguments_are_refused(args, message):
     proc = run(*args)
