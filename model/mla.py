@@ -16,7 +16,7 @@ What is cached (``MLACache``), per token and per MLA layer: ``c`` = RMSNorm(c_kv
 (including its learned weight), R values, and ``k_e`` as produced by W_kva (no norm), e values: R + e = 576
 numbers for the released shapes. Caching the normalised latent means a decode step never re-normalises history.
 
-Three paths, all computing the same function:
+Four paths, all computing the same function:
 
 - ``forward``: training / full-sequence path. Keys and values are expanded from the latent for every token and
   attention is a masked softmax; ``cu_seqlens`` (packed sequences, batch 1) becomes a block-diagonal causal mask.
@@ -25,11 +25,14 @@ Three paths, all computing the same function:
   the "absorbed" form: W_kvb's key half is folded into the query (q_lat = W_uk^T q_nope, scored directly
   against the cached latents) and its value half into the output (attend over latents, then apply W_uv), so
   per-token keys/values are never materialised. ``absorb=False`` runs the expanded path for comparison.
+- ``decode_paged``: the absorbed decode for a server whose caches live in a page pool: the new token's
+  latents are written into their page and history is read through the page table, nothing gathered.
 
 Kernels: :func:`k3.kernels.dispatch.select_backend` decides per call. On the reference backend (CPU by default)
-every path runs the torch code below, unchanged. On the Triton backend (CUDA by default) the absorbed decode
-runs the paged Triton kernel (:func:`k3.kernels.dispatch.mla_decode_op`): the per-sequence caches are packed into
-one zero-padded buffer that is viewed as pages of ``DECODE_PAGE`` tokens with a trivial page table (sequence
+every path runs the torch code below (``decode_paged`` the paged kernel's readable reference). On the Triton
+backend (CUDA by default) both absorbed decodes run the paged Triton kernel
+(:func:`k3.kernels.dispatch.mla_decode_op`), ``decode_paged`` on the server's pages; ``decode`` packs the
+per-sequence caches into one zero-padded buffer that is viewed as pages of ``DECODE_PAGE`` tokens with a trivial page table (sequence
 ``b`` owns pages ``b * P .. b * P + P - 1``), so the kernel reads them where they lie and its compiled variant
 does not change as sequences grow. The expanded paths (training, prefill) run
 ``torch.nn.functional.scaled_dot_product_attention`` with the same mask instead of materialising the scores.
