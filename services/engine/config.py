@@ -27,9 +27,13 @@ class EngineConfig:
     max_slots: int = documented(
         16, doc="Sequences resident at once (each holds one fixed-size KDA + conv state slot)."
     )
-    page_size: int = documented(16, doc="Tokens per page of the paged MLA latent cache.")
+    page_size: int = documented(
+        64, doc="Tokens per page of the paged MLA latent cache. The GPU decode kernel reads 64-token key tiles: "
+                "pages of a multiple of 64 let it load whole tiles by tensor-memory-access copies (and use the "
+                "Hopper kernel); smaller pages work through per-row loads."
+    )
     num_pages: int = documented(
-        2048, doc="Pages in the MLA latent page pool (shared by all sequences and all MLA layers)."
+        512, doc="Pages in the MLA latent page pool (shared by all sequences and all MLA layers)."
     )
     prefill_chunk: int = documented(
         256, doc="Prompt tokens run per scheduler step; long prompts take several steps, interleaved with decoding."
