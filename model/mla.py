@@ -32,9 +32,9 @@ Kernels: :func:`k3.kernels.dispatch.select_backend` decides per call. On the ref
 every path runs the torch code below (``decode_paged`` the paged kernel's readable reference). On the Triton
 backend (CUDA by default) both absorbed decodes run the paged Triton kernel
 (:func:`k3.kernels.dispatch.mla_decode_op`), ``decode_paged`` on the server's pages; ``decode`` packs the
-per-sequence caches into one zero-padded buffer that is viewed as pages of ``DECODE_PAGE`` tokens with a trivial page table (sequence
-``b`` owns pages ``b * P .. b * P + P - 1``), so the kernel reads them where they lie and its compiled variant
-does not change as sequences grow. The expanded paths (training, prefill) run
+per-sequence caches into one zero-padded buffer that is viewed as pages of ``DECODE_PAGE`` tokens with a trivial
+page table (sequence ``b`` owns pages ``b * P .. b * P + P - 1``), so the kernel reads them where they lie and
+its compiled variant does not change as sequences grow. The expanded paths (training, prefill) run
 ``torch.nn.functional.scaled_dot_product_attention`` with the same mask instead of materialising the scores.
 """
 
