@@ -253,14 +253,16 @@ def test_engine_serves_through_the_kernels_what_generate_gives(monkeypatch, laun
     prompts = [torch.randint(0, CFG["vocab_size"], (n,), generator=gen).tolist() for n in (3, 9, 6)]
     options = SamplingOptions(max_tokens=6)
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    want = [generate(model, p, options.max_tokens).token_ids for p in prompts]
+    want = [generate(model, p, options.max_tokens) for p in prompts]
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     engine = Engine(model, EngineConfig(max_batch=3, max_slots=4, page_size=4, num_pages=32, prefill_chunk=4,
                                         max_context=64))
     try:
         streams = [engine.submit(p, options) for p in prompts]
-        got = [s.result().token_ids for s in streams]
+        got = [s.result() for s in streams]
     finally:
         engine.close()
-    assert got == want
+    for ours, ref in zip(got, want, strict=True):
+        assert ours.token_ids == ref.token_ids
+        assert ours.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert launches["kda_decode"] > 0 and launches["mla_decode"] > 0 and launches["kda_chunk"] > 0
