@@ -127,15 +127,23 @@ def absorb_query(q_nope: Tensor, w_kvb: Tensor, v_dim: int) -> Tensor:
 
 
 def absorb_output(o_latent: Tensor, w_kvb: Tensor, nope_dim: int, gate_logits: Tensor) -> Tensor:
-    """``concat_h (W_uv o_latent[h]) * sigmoid(gate_logits)``: ``[B, Tq, H, R]`` -> ``[B, Tq, H * v]``."""
+    """``concat_h (W_uv o_latent[h]) * sigmoid(gate_logits)``: ``[B, Tq, H, R]`` -> ``[B, Tq, H * v]`` in
+    ``o_latent``'s dtype. ``W_uv`` is taken in ``o_latent``'s dtype (an fp32 ``o_latent`` upcasts only this half
+    of ``w_kvb``), and the gate is applied in fp32 (one rounding of the product, not three)."""
     H = o_latent.shape[-2]
     v_dim = w_kvb.shape[0] // H - nope_dim
     _, w_uv = _split_kvb(w_kvb, H, nope_dim, v_dim)
     if gate_logits.shape != (*o_latent.shape[:2], H * v_dim):
         raise ValueError(f"gate_logits must be [B, Tq, H * v] = {(*o_latent.shape[:2], H * v_dim)}, "
                          f"got {tuple(gate_logits.shape)}")
-    o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).flatten(-2)
-    return o * torch.sigmoid(gate_logits)
+    o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv.to(o_latent.dtype)).flatten(-2)
+    gated = o.to(_gate_dtype(o)) * torch.sigmoid(gate_logits.to(_gate_dtype(o)))
+    return gated.to(o.dtype)
+
+
+def _gate_dtype(t: Tensor) -> torch.dtype:
+    """fp32 for 16-bit tensors, else the tensor's own dtype (fp64 stays fp64 for ground-truth runs)."""
+    return torch.float32 if t.element_size() < 4 else t.dtype
 
 
 def mla_decode_reference(
