@@ -280,7 +280,6 @@ class GatedMLA(nn.Module):
         :mod:`k3.kernels.dispatch` decides. Nothing is gathered or repacked: the step costs what it reads, and
         its tensors keep their addresses (a CUDA graph can replay it). x [B, d] -> y [B, d].
         """
-        B = x.shape[0]
         page_size = kv_pages.shape[1]
         c_new, e_new = self.latents(x)
         positions = seq_lens.long()
@@ -291,7 +290,7 @@ class GatedMLA(nn.Module):
             q_nope, q_extra.to(kv_pages.dtype), kv_pages, block_table, (positions + 1).to(torch.int32),
             self.wkv_b.weight, self.w_gate(x[:, None]), scale=self.scale, validate=False,
         )
-        return self.wo(gated[:, 0].reshape(B, -1).to(x.dtype))
+        return self.wo(gated[:, 0])
 
     def _absorbed_attend(self, q_nope: Tensor, q_extra: Tensor, c: Tensor, k_extra: Tensor,
                          valid: Tensor) -> Tensor:

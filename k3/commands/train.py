@@ -24,7 +24,8 @@ _FIELDS = {
 }
 
 
-def _int_at_least(minimum: int):
+def int_at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum``, with a clear message otherwise."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -73,22 +74,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="run folder (new and empty, or with --resume)")
     p.add_argument("--resume", action="store_true", help="continue the run in DIR from its latest checkpoint")
     p.add_argument("--preset", choices=PRESETS, help="model preset (default: tiny)")
-    p.add_argument("--steps", type=_int_at_least(1), help="optimizer steps of the whole run (default: 20)")
-    p.add_argument("--seed", type=_int_at_least(0), help="seed of initialisation and batches (default: 0)")
+    p.add_argument("--steps", type=int_at_least(1), help="optimizer steps of the whole run (default: 20)")
+    p.add_argument("--seed", type=int_at_least(0), help="seed of initialisation and batches (default: 0)")
     p.add_argument("--lr", type=_positive_float, help="peak learning rate (default: 0.02)")
-    p.add_argument("--batch-tokens", type=_int_at_least(1), help="tokens per step (default: 512)")
-    p.add_argument("--eval-every", type=_int_at_least(0), help="steps between evals, 0: start/end (default: 10)")
-    p.add_argument("--save-every", type=_int_at_least(0), help="steps between checkpoints, 0: end (default: 10)")
+    p.add_argument("--batch-tokens", type=int_at_least(1), help="tokens per step (default: 512)")
+    p.add_argument("--eval-every", type=int_at_least(0), help="steps between evals, 0: start/end (default: 10)")
+    p.add_argument("--save-every", type=int_at_least(0), help="steps between checkpoints, 0: end (default: 10)")
     p.add_argument("--stages", type=_stages, metavar="F:LEN,...",
                    help="progressive context, fractions of steps and sequence lengths (default: 0.5:128,0.3:256,0.2:512)")
     p.add_argument("--tokenizer", metavar="DIR", help="saved tokenizer folder (default: byte-level tokenizer)")
     p.add_argument("--corpus", metavar="DIR", help="folder of text files (default: the Python standard library)")
-    p.add_argument("--corpus-bytes", type=_int_at_least(1), help="corpus size cap in bytes (default: 16000000)")
+    p.add_argument("--corpus-bytes", type=int_at_least(1), help="corpus size cap in bytes (default: 16000000)")
     p.add_argument("--cache-dir", metavar="DIR", help="tokenised corpus cache (default: DIR/cache)")
     p.add_argument("--max-minutes", type=_positive_float, help="stop with a checkpoint after this many minutes")
-    p.add_argument("--stop-at", type=_int_at_least(1), metavar="STEP",
+    p.add_argument("--stop-at", type=int_at_least(1), metavar="STEP",
                    help="stop with a checkpoint after STEP (the schedule still spans --steps)")
-    p.add_argument("--threads", type=_int_at_least(1), help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int_at_least(1), help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--device", help="torch device (default: cpu)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     add_vision_options(p, data=False)

@@ -28,12 +28,9 @@ import statistics
 import sys
 import time
 
+from k3.commands.train import int_at_least
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+positive = int_at_least(1)
 
 
 def random_state(model, context: int, gen):

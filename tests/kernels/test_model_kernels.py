@@ -119,32 +119,25 @@ def _paged_decode(model: K3Model, mode: str, ids: torch.Tensor, prompt: int, mon
                   gen: torch.Generator) -> torch.Tensor:
     """The decode steps of ``_run`` through ``decode_paged``: prompts prefilled (reference path), their states
     stored in slots 2 and 0 of a three-slot pool and in scattered pages of 4 tokens, every other row poisoned."""
-    from k3.model.kda import KDAState
+    from k3.services.engine.pages import PagedLatentCache
+    from k3.services.engine.slots import SlotPool
 
     page_size, slots, tables = 4, [2, 0], [[5, 1, 3], [0, 4, 2]]
     dtype = model.embed.weight.dtype
-    cfg = model.cfg
-    width = cfg.kv_lora_rank + cfg.qk_extra_dim
-    kda = {i: KDAState.zeros(3, cfg, dtype=dtype) for i in range(cfg.num_layers) if cfg.layer_kind(i) == "kda"}
-    pages = {i: torch.randn(6, page_size, width, generator=gen).to(dtype)
-             for i in range(cfg.num_layers) if cfg.layer_kind(i) == "mla"}
-    for pool in kda.values():
-        pool.recurrent.normal_(generator=gen)
+    slot_pool, page_pool = SlotPool(model.cfg, 3, dtype=dtype), PagedLatentCache(model.cfg, 6, page_size, dtype=dtype)
+    for t in [*page_pool.kv.values(), *(s.recurrent for s in slot_pool.states.values())]:
+        t.copy_(torch.randn(t.shape, generator=gen))
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
     for b, row in enumerate(ids):
         _, state = model.prefill(row[:prompt])
-        for i, s in state.kda.items():
-            for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
-                getattr(kda[i], name)[slots[b]] = getattr(s, name)[0]
-        for i, cache in state.mla.items():
-            for t, latent in enumerate(torch.cat([cache.c_kv, cache.k_extra], dim=-1)):
-                pages[i][tables[b][t // page_size], t % page_size] = latent
+        slot_pool.write(slots[b], state.kda)
+        page_pool.write(tables[b], 0, state.mla)
     monkeypatch.setenv(dispatch.ENV_VAR, mode)
     steps = []
     for t in range(prompt, ids.shape[1]):
         seq_lens = torch.full((ids.shape[0],), t, dtype=torch.int32)
-        table = torch.tensor([tb[: t // page_size + 1] for tb in tables], dtype=torch.int32)
-        steps.append(model.decode_paged(ids[:, t], torch.tensor(slots), table, seq_lens, kda, pages))
+        steps.append(model.decode_paged(ids[:, t], torch.tensor(slots), page_pool.block_table(tables, t + 1),
+                                        seq_lens, slot_pool.states, page_pool.kv))
     return torch.stack(steps, dim=1)
 
 

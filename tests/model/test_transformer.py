@@ -153,26 +153,14 @@ def test_optimizer_groups(model):
 
 
 def _pools(model: K3Model, num_slots: int, num_pages: int, page_size: int):
-    """Zeroed KDA state pools and MLA page pools for every layer of ``model`` (what a serving engine holds)."""
-    from k3.model.kda import KDAState
+    """The serving engine's state pool and latent pages for ``model``, every row poisoned with random values."""
+    from k3.services.engine.pages import PagedLatentCache
+    from k3.services.engine.slots import SlotPool
 
-    cfg = model.cfg
-    kda = {i: KDAState.zeros(num_slots, cfg) for i in range(cfg.num_layers) if cfg.layer_kind(i) == "kda"}
-    width = cfg.kv_lora_rank + cfg.qk_extra_dim
-    pages = {i: torch.zeros(num_pages, page_size, width) for i in range(cfg.num_layers)
-             if cfg.layer_kind(i) == "mla"}
-    return kda, pages
-
-
-def _store(state, slot: int, table: list[int], page_size: int, kda, pages) -> None:
-    """Write a ``SequenceState`` into slot ``slot`` and the pages ``table``."""
-    for i, s in state.kda.items():
-        for name in ("conv_q", "conv_k", "conv_v", "recurrent"):
-            getattr(kda[i], name)[slot] = getattr(s, name)[0]
-    for i, cache in state.mla.items():
-        rows = torch.cat([cache.c_kv, cache.k_extra], dim=-1)
-        for t in range(rows.shape[0]):
-            pages[i][table[t // page_size], t % page_size] = rows[t]
+    slots, pages = SlotPool(model.cfg, num_slots), PagedLatentCache(model.cfg, num_pages, page_size)
+    for t in [*pages.kv.values(), *(s.recurrent for s in slots.states.values())]:
+        t.normal_()
+    return slots, pages
 
 
 @pytest.mark.timeout(300)
@@ -181,37 +169,37 @@ def test_decode_paged_equals_decode_and_advances_the_pools_in_place(model):
     of ``decode`` on ``SequenceState``s, and the pools then hold exactly the states ``decode`` returned."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     page_size, lengths, slots, tables = 4, [3, 9, 6], [4, 0, 2], [[7, 2, 11, 5, 0], [3, 9, 1, 8, 12], [6, 10, 13, 14, 4]]
-    kda, pages = _pools(model, num_slots=5, num_pages=15, page_size=page_size)
-    for p in [*pages.values(), *(s.recurrent for s in kda.values())]:
-        p.normal_(generator=gen)  # poison: every row a sequence does not own holds garbage
+    slot_pool, page_pool = _pools(model, num_slots=5, num_pages=15, page_size=page_size)
+    kda, pages = slot_pool.states, page_pool.kv
     states = []
     for b, n in enumerate(lengths):
         _, state = model.prefill(torch.randint(0, 512, (n,), generator=gen))
-        _store(state, slots[b], tables[b], page_size, kda, pages)
+        slot_pool.write(slots[b], state.kda)
+        page_pool.write(tables[b], 0, state.mla)
         states.append(state)
     slot_t = torch.tensor(slots)
     for step in range(6):  # crosses page boundaries for every sequence
         ids = torch.randint(0, 512, (3,), generator=gen)
         seq_lens = torch.tensor([s.num_tokens for s in states], dtype=torch.int32)
-        width = -(-(int(seq_lens.max()) + 1) // page_size)
-        table = torch.tensor([t[:width] for t in tables], dtype=torch.int32)
+        table = page_pool.block_table(tables, int(seq_lens.max()) + 1)
         want, states = model.decode(ids, states)
         got = model.decode_paged(ids, slot_t, table, seq_lens, kda, pages)
         assert torch.isfinite(got).all()
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item(), f"step {step}"
+
     def close(a, b):  # fp32 noise of a different summation order, relative to the tensor's scale
         return (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
 
     for b, state in enumerate(states):
         for i, s in state.kda.items():
             assert close(kda[i].recurrent[slots[b]], s.recurrent[0]) and close(kda[i].conv_v[slots[b]], s.conv_v[0])
-        for i, cache in state.mla.items():
-            rows = pages[i][torch.tensor(tables[b])].flatten(0, 1)[:state.num_tokens]
-            assert close(rows, torch.cat([cache.c_kv, cache.k_extra], dim=-1))
+        for i, cache in page_pool.gather(tables[b], state.num_tokens).items():
+            assert close(cache.c_kv, state.mla[i].c_kv) and close(cache.k_extra, state.mla[i].k_extra)
 
 
 def test_decode_paged_rejects_bad_indices(model):
-    kda, pages = _pools(model, num_slots=2, num_pages=4, page_size=4)
+    slot_pool, page_pool = _pools(model, num_slots=2, num_pages=4, page_size=4)
+    kda, pages = slot_pool.states, page_pool.kv
     ids, slots, lens = torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, 5], dtype=torch.int32)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     model.decode_paged(ids, slots, table, lens, kda, pages)  # the valid call the bad ones below differ from
