@@ -74,3 +74,39 @@ def test_kda_shapes_option_parses_and_rejects_bad_shapes():
             bench.parse_shape(bad)
     with pytest.raises(SystemExit):
         bench.main(["--only", "kda_chunk", "--kda-shapes", "2x8192x32"])
+
+
+_WITHOUT_SERVING_STACK = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("opentelemetry", "grpc", "redis", "kafka"):
+            raise ImportError("not installed: " + name)
+sys.meta_path.insert(0, Missing())
+import k3.kernels.bench, k3.kernels.bench_model, k3.services.engine.pages, k3.services.engine.slots
+import k3.services.engine as engine
+try:
+    engine.Engine
+except ImportError as e:
+    print("engine needs", e)
+"""
+
+
+def test_the_benchmarks_import_without_the_serving_stack():
+    """GPU images carry torch and Triton, not OpenTelemetry or gRPC: the benchmark's paged rows need only
+    ``pages`` and ``slots``, so importing them must not drag in the engine (which the package loads lazily)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_SERVING_STACK], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "engine needs not installed: opentelemetry" in run.stdout
+
+
+def test_the_engine_package_still_exports_its_names():
+    import k3.services.engine as engine
+
+    assert engine.Engine.__name__ == "Engine" and engine.EngineConfig.__name__ == "EngineConfig"
+    assert set(engine.__all__) <= set(dir(engine))
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        engine.Engin  # noqa: B018
