@@ -18,8 +18,10 @@ What it does, in one process:
    position, no state), and one decode step at batch 1 and 64 over 2048-token contexts, both as
    ``K3Model.decode`` (per-sequence states in and out: the caches are stacked, grown and repacked for the
    kernel on every step) and as ``K3Model.decode_paged`` (what the serving engine runs: state pools and latent
-   pages read and advanced in place), the latter against the former. Everything runs eagerly, so decode
-   tokens/s include the host's launch overhead. Times are CUDA-event medians; tokens/s = tokens per call / time.
+   pages read and advanced in place), the latter against the former, and ``decode_paged`` once more as the
+   replays of a CUDA graph (it has no host synchronisation), against itself run eagerly. Everything else runs
+   eagerly, so those decode tokens/s include the host's launch overhead. Times are CUDA-event medians;
+   tokens/s = tokens per call / time.
 
 Memory: bf16 weights about 2.4 GB, the fp32 copy 4.8 GB (freed before the throughput runs); the largest
 activation is the batch-64 forward's logits (64 x 2048 x 32768 bf16, 8.6 GB). A measurement that runs out of
@@ -189,12 +191,13 @@ def check_model(bench, model, kernel_mode: str = "auto") -> None:
                 kernels_vs_reference_bf16=_rel_rms(ours[path], ref[path]))
 
 
-def _timed(bench, what: str, fn: Callable[[], object], iters: int) -> float | None:
-    """CUDA-event median of ``fn`` in ms (one warm-up call), or None (with the reason) if it fails."""
+def _timed(bench, what: str, fn: Callable[[], object], iters: int, graph: bool = False) -> float | None:
+    """CUDA-event median of ``fn`` in ms (one warm-up call; replays of its CUDA graph with ``graph``), or None
+    (with the reason) if it fails."""
     from k3.kernels.bench import time_ms
 
     try:
-        return time_ms(fn, warmup=1, iters=iters)
+        return time_ms(fn, warmup=1, iters=iters, graph=graph)
     except Exception as exc:  # a missing figure and a failed check; the other measurements still run
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     torch.cuda.empty_cache()
@@ -247,18 +250,26 @@ def time_model(bench, model) -> None:
             add("decode step", f"B{batch} ctx{prompt}", batch, ours, peer, "K3Model.decode, eager (no CUDA graph)")
         # the same step as a server runs it (states in a pool, latents in pages, both advanced in place), against
         # K3Model.decode on the kernels just timed
+        # and, since that step never synchronises with the host, once more as a CUDA graph's replays against
+        # the eager step: the GPU's own time per step, without the launches of 24 layers from Python
         for batch in (1, big_batch):
             paged = PagedBatch(model, [state] * batch, room=1)
+            step = functools.partial(paged.logits, ids[:batch, 0])
             with kernel_mode_as("auto"):
-                ours = _timed(bench, f"paged decode B{batch} (kernels)",
-                              functools.partial(paged.logits, ids[:batch, 0]), iters + 2)
-            del paged
+                eager = _timed(bench, f"paged decode B{batch} (kernels)", step, iters + 2)
+                graphed = _timed(bench, f"paged decode B{batch} (kernels, CUDA graph)", step, iters + 2, graph=True)
+            del paged, step
             torch.cuda.empty_cache()
-            row = Row(f"{PRESET} decode step, paged", f"B{batch} ctx{prompt}", ours, "K3Model.decode (kernels)",
-                      decode_ms[batch], note="K3Model.decode_paged, eager (no CUDA graph); metric = tokens/s of ours")
-            if ours:
-                row.metric, row.unit = batch / ours * 1e3, "tok/s"
-            bench.add(row)
+            shape = f"B{batch} ctx{prompt}"
+            for label, ours, peer, peer_ms, how in (
+                ("decode step, paged", eager, "K3Model.decode (kernels)", decode_ms[batch], "eager (no CUDA graph)"),
+                ("decode step, paged, graph", graphed, "paged, eager", eager, "replays of one CUDA graph"),
+            ):
+                row = Row(f"{PRESET} {label}", shape, ours, peer, peer_ms,
+                          note=f"K3Model.decode_paged, {how}; metric = tokens/s of ours")
+                if ours:
+                    row.metric, row.unit = batch / ours * 1e3, "tok/s"
+                bench.add(row)
 
 
 def bench_model(bench) -> None:

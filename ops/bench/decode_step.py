@@ -69,7 +69,10 @@ def median_ms(fn, iters: int, cuda: bool) -> float:
 
 def graph_step(paged, tokens):
     """``paged.logits(tokens)`` captured in a CUDA graph: ``(replay, logits)``, ``logits`` being the tensor each
-    replay rewrites. Two warm-up calls first, on a side stream as capture requires (they compile the kernels)."""
+    replay rewrites. Two warm-up calls first, on a side stream as capture requires (they compile the kernels).
+
+    The graph holds raw addresses of ``paged``'s pools, pages and tables, so the graph keeps ``paged`` alive: were
+    it collected, its memory could be reused or returned to the driver and a replay would read it."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -81,6 +84,7 @@ def graph_step(paged, tokens):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logits = paged.logits(tokens)
+    graph.buffers = paged
     return graph.replay, logits
 
 
