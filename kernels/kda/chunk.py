@@ -152,6 +152,8 @@ class ChunkKDAConfig:
         bwd_state_num_stages: pipelining depth of its loop; each stage holds one chunk's ``kd``, ``qg``
             and ``w`` tiles (fp16, fp32 without the in-kernel norm and sigmoid) in shared memory (227 KB on an
             H200).
+        bwd_state_f16: fp16 products in that kernel where its tiles are fp16 and tf32 products are asked
+            for (``dO``, ``dS`` and ``dv_new`` scaled per column; see the kernel); off: tf32 products.
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile). The whole
             K = 128 (one program per chunk and head) reads each V-side tile (``dO``, ``dv_new``, ``v_new``) once
             instead of once per K tile: on an H200 at 2·8192·32·128 that kernel went from 1.64 to 1.55 ms
@@ -205,6 +207,7 @@ class ChunkKDAConfig:
     bwd_state_block_v: int = 32
     bwd_state_num_warps: int = 4
     bwd_state_num_stages: int = 1
+    bwd_state_f16: bool = True
     bwd_block_k: int = 128
     bwd_block_v: int = 32
     bwd_num_warps: int = 4
@@ -238,7 +241,7 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
-        for name in ("recompute", "poison"):
+        for name in ("bwd_state_f16", "recompute", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision not in _PRECISIONS:
@@ -735,12 +738,16 @@ def _bwd_state_kernel(
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
     dv_new = A_qk^T dO + kd dS;  dS <- exp(G_last) dS + qg^T dO - w^T dv_new, with the forward's ``qg`` and
-    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay."""
+    ``kd`` (every per-token factor folded in), so the loop does no elementwise work but the decay.
+
+    ``F16`` (fp16 ``A_qk``, ``qg``, ``kd`` and ``w``, tf32 products asked for): as in the forward's state kernel,
+    the four products take fp16 operands, ``dO``, ``dS`` and ``dv_new`` scaled per column (``_f16_columns``):
+    the 11 significant bits of tf32 without converting the fp16 tiles to fp32 for every product."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -772,12 +779,22 @@ def _bwd_state_kernel(
         kdt = tl.load(kd + offk, mask=m2k, other=0.0)
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
-        dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
+        if F16:
+            do16, do_unit = _f16_columns(dot_)
+            dS16, dS_unit = _f16_columns(dS)
+            dv_ = _dot16(AqT, do16, EMU) * do_unit[None, :] + _dot16(kdt, dS16, EMU) * dS_unit[None, :]
+        else:
+            dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
         tl.store(dvn + offv, dv_, mask=m2v)
         qgt = tl.load(qg + offk, mask=m2k, other=0.0)
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
-        dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
+        if F16:
+            dv16, dv_unit = _f16_columns(dv_)
+            dS = (dS * tl.exp(Gl)[:, None] + _dot16(tl.trans(qgt), do16, EMU) * do_unit[None, :]
+                  - _dot16(tl.trans(wt), dv16, EMU) * dv_unit[None, :])
+        else:
+            dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
     if STORE_DH0:
         tl.store(dh0 + (n * H + i_h) * K * V + hoff, dS, mask=hm)
 
@@ -1380,7 +1397,8 @@ def _backward(do, dht, saved, layout, meta):
         qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        P=meta.prec, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
+        P=meta.prec, F16=cfg.bwd_state_f16 and kd.dtype == torch.float16 and Aqk.dtype == torch.float16
+        and meta.prec == 3, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, Aqk
 

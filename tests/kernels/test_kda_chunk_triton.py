@@ -276,6 +276,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("intra_block_k", 8, r"ChunkKDAConfig.intra_block_k must be a power of two >= 16, got 8"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
+        ("bwd_state_f16", "no", r"ChunkKDAConfig.bwd_state_f16 must be a bool, got 'no'"),
         ("poison", "yes", r"ChunkKDAConfig.poison must be a bool, got 'yes'"),
         ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
