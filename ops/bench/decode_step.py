@@ -13,8 +13,8 @@ time of a step does not depend on the values) run one decode step
 With ``--graph`` (CUDA only) the in-place step is also captured in a CUDA graph and replayed: the step has no
 host synchronisation on the kernel path (tested), so the whole step, every layer's launches, becomes one graph
 launch. The replay's logits are checked against the same step run eagerly ("diff"), beside the difference
-between two eager runs of that step ("repeat"): kernels that add with atomics (the MoE's combine, split-K
-reductions) need not repeat bit for bit, and with random weights a bf16 model amplifies such differences.
+between two eager runs of that step ("repeat"): the MoE's combine adds with atomics, so a step need not repeat
+bit for bit, and with random weights a bf16 model amplifies such differences.
 
 Both run the same kernels (``K3_KERNELS`` decides, as everywhere); their logits are compared (relative max
 difference) so the times are of the same computation. Times are medians over ``--iters`` calls after one
@@ -78,8 +78,8 @@ def graph_step(paged, tokens):
     """``paged.logits(tokens)`` captured in a CUDA graph: ``(replay, logits)``, ``logits`` being the tensor each
     replay rewrites. Two warm-up calls first, on a side stream as capture requires (they compile the kernels).
 
-    The graph holds raw addresses of ``paged``'s pools, pages and tables, so the graph keeps ``paged`` alive: were
-    it collected, its memory could be reused or returned to the driver and a replay would read it."""
+    The graph holds raw addresses of ``paged``'s pools, pages and tables, so ``graph.buffers`` keeps ``paged``
+    alive as long as the graph: were it collected, a replay would read memory since reused or returned."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{decode_ms / paged_ms:>8.2f}x {diff:>9.1e}")
                 del paged
                 if args.graph:
-                    # the third step of a fresh copy, eagerly (twice: the floor of the comparison, since kernels
-                    # that add with atomics need not repeat bit for bit) and as the replay after two warm-ups
+                    # the third step of a fresh copy, eagerly (twice: the floor of the comparison, since the MoE's
+                    # combine adds with atomics) and as the replay after two warm-ups
                     want, again = (third_step(PagedBatch(model, states, room=1), tokens) for _ in range(2))
                     replay, logits = graph_step(PagedBatch(model, states, room=1), tokens)
                     replay()
