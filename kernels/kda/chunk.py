@@ -152,8 +152,9 @@ class ChunkKDAConfig:
         bwd_state_num_stages: pipelining depth of its loop; each stage holds one chunk's ``kd``, ``qg``
             and ``w`` tiles (fp16, fp32 without the in-kernel norm and sigmoid) in shared memory (227 KB on an
             H200).
-        bwd_state_f16: fp16 products in that kernel where its tiles are fp16 and tf32 products are asked
-            for (``dO``, ``dS`` and ``dv_new`` scaled per column; see the kernel); off: tf32 products.
+        bwd_state_f16: fp16 products in that kernel where its tiles are fp16, tf32 products are asked for and
+            ``bwd_state_num_stages`` is 1 (``dO``, ``dS`` and ``dv_new`` scaled per column; see the kernel):
+            0.927 -> 0.832 ms at 2·8192·32·128 on an H100. Off: tf32 products.
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile). The whole
             K = 128 (one program per chunk and head) reads each V-side tile (``dO``, ``dv_new``, ``v_new``) once
             instead of once per K tile: on an H200 at 2·8192·32·128 that kernel went from 1.64 to 1.55 ms
@@ -1267,6 +1268,14 @@ def _bounded_operand_dtype(meta: _Meta) -> torch.dtype:
     return torch.float32
 
 
+def _bwd_state_f16(cfg: ChunkKDAConfig, kd: Tensor, Aqk: Tensor, meta: _Meta) -> bool:
+    """Whether the backward state kernel takes fp16 products (its ``F16``): asked for, fp16 tiles, tf32 products
+    asked for, and the loop not pipelined. Pipelined two deep, the fp16 form failed the GPU check on an H100
+    (``dA_log`` 7.4e-3 at 2·1000·4·128 against 5e-3; unpipelined it matched the tf32 form's errors)."""
+    fp16_tiles = kd.dtype == torch.float16 and Aqk.dtype == torch.float16
+    return cfg.bwd_state_f16 and fp16_tiles and meta.prec == 3 and cfg.bwd_state_num_stages == 1
+
+
 def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final, out=None):
     """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state.
 
@@ -1397,8 +1406,8 @@ def _backward(do, dht, saved, layout, meta):
         qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        P=meta.prec, F16=cfg.bwd_state_f16 and kd.dtype == torch.float16 and Aqk.dtype == torch.float16
-        and meta.prec == 3, EMU=meta.emu, num_warps=num_warps, num_stages=cfg.bwd_state_num_stages,
+        P=meta.prec, F16=_bwd_state_f16(cfg, kd, Aqk, meta), EMU=meta.emu, num_warps=num_warps,
+        num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, Aqk
 

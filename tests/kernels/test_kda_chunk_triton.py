@@ -116,6 +116,28 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
+def test_backward_state_kernel_without_fp16_products():
+    # bf16 inputs take fp16 products in the backward state kernel by default; the tf32 form (asked for, or
+    # pipelined loops) must hold the same tolerance, with a tail chunk and states in and out.
+    gen = fresh_generator()
+    config = ChunkKDAConfig(poison=True, bwd_state_f16=False)
+    _assert_all(_run_both(_inputs(gen, 2, 70, 2, torch.bfloat16), torch.bfloat16, config=config), torch.bfloat16)
+
+
+def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tiles():
+    from types import SimpleNamespace
+
+    from k3.kernels.kda.chunk import _bwd_state_f16
+
+    fp16, fp32 = torch.zeros(1, dtype=torch.float16), torch.zeros(1)
+    tf32, ieee = SimpleNamespace(prec=3), SimpleNamespace(prec=2)
+    assert _bwd_state_f16(ChunkKDAConfig(), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(bwd_state_f16=False), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(bwd_state_num_stages=2), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(), fp32, fp32, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(), fp16, fp16, ieee)
+
+
 @pytest.mark.parametrize(
     "tiles",
     [
