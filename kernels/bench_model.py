@@ -249,9 +249,8 @@ def time_model(bench, model) -> None:
                 peer = _timed(bench, f"decode B{batch} (reference)", step, iters + 2)
             add("decode step", f"B{batch} ctx{prompt}", batch, ours, peer, "K3Model.decode, eager (no CUDA graph)")
         # the same step as a server runs it (states in a pool, latents in pages, both advanced in place), against
-        # K3Model.decode on the kernels just timed
-        # and, since that step never synchronises with the host, once more as a CUDA graph's replays against
-        # the eager step: the GPU's own time per step, without the launches of 24 layers from Python
+        # K3Model.decode on the kernels just timed; and, since that step never synchronises with the host, as a
+        # CUDA graph's replays against itself eager: the GPU's own time, without 24 layers' launches from Python
         for batch in (1, big_batch):
             paged = PagedBatch(model, [state] * batch, room=1)
             step = functools.partial(paged.logits, ids[:batch, 0])
