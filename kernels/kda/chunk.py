@@ -155,6 +155,11 @@ class ChunkKDAConfig:
         bwd_state_f16: fp16 products in that kernel where its tiles are fp16, tf32 products are asked for and
             ``bwd_state_num_stages`` is 1 (``dO``, ``dS`` and ``dv_new`` scaled per column; see the kernel):
             0.927 -> 0.832 ms at 2·8192·32·128 on an H100. Off: tf32 products.
+        f16_states: where a state kernel forms fp16 products (the backward's recomputation of the states with
+            fp16 tiles, and the backward state kernel under ``bwd_state_f16``), the states / state gradients it
+            writes for the WY-K kernel are that fp16 tile with one fp32 factor per column instead of fp32: the
+            values the recurrence's products use, half the bytes written there and read by WY-K, and half the
+            memory of the two largest backward buffers (``[chunks, H, K, V]`` each). Off: fp32 states.
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile). The whole
             K = 128 (one program per chunk and head) reads each V-side tile (``dO``, ``dv_new``, ``v_new``) once
             instead of once per K tile: on an H200 at 2·8192·32·128 that kernel went from 1.64 to 1.55 ms
@@ -209,6 +214,7 @@ class ChunkKDAConfig:
     bwd_state_num_warps: int = 4
     bwd_state_num_stages: int = 1
     bwd_state_f16: bool = True
+    f16_states: bool = True
     bwd_block_k: int = 128
     bwd_block_v: int = 32
     bwd_num_warps: int = 4
@@ -242,7 +248,7 @@ class ChunkKDAConfig:
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"ChunkKDAConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
-        for name in ("bwd_state_f16", "recompute", "poison"):
+        for name in ("bwd_state_f16", "f16_states", "recompute", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision not in _PRECISIONS:
@@ -626,12 +632,12 @@ def _fwd_wy_kernel(
 
 @triton.jit
 def _fwd_state_kernel(
-    kd, gl, w, u, h0, h_out, v_new, ht, qg, Aqk, o,
+    kd, gl, w, u, h0, h_out, h_unit, v_new, ht, qg, Aqk, o,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, SAVE_H: tl.constexpr, SAVE_V_NEW: tl.constexpr, OUT: tl.constexpr,
-    STORE_FINAL: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, EMU: tl.constexpr,
+    STORE_FINAL: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, H16: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile): S -> exp(G_last) S + kd^T (u - w S), chunk by chunk; with ``OUT`` also
     the chunk's output O = qg S + A_qk v_new from the state before the chunk.
@@ -647,7 +653,11 @@ def _fwd_state_kernel(
     products: the same 11 significant bits, none of the conversions, and Hopper reads fp16 operands of either
     layout from shared memory, where tf32 ones must be transposed first (the backward's recomputation at
     2·8192·32·128 on an H200: 0.608 -> 0.495 ms). Not used with ``OUT``: the scaled products made the fused
-    output kernel need 135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms."""
+    output kernel need 135 KB of shared memory (one program per SM) and took it from 0.42 to 0.86 ms.
+
+    ``H16`` (with ``F16`` and ``SAVE_H``): the states are written as that same fp16 ``S16`` with its per-column
+    factor in ``h_unit`` (``[chunks, H, V]``), half the bytes of fp32 states for the same values the products
+    use (see ``ChunkKDAConfig.f16_states``)."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -670,15 +680,20 @@ def _fwd_state_kernel(
         t0 = s0 + ci * BT
         valid = r < L - ci * BT
         row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+        if F16:
+            S16, S_unit = _f16_columns(S)
         if SAVE_H:
-            tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, _out(S, h_out, EMU), mask=hm)
+            if H16:
+                tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, S16, mask=hm)
+                tl.store(h_unit + ((c0 + ci) * H + i_h) * V + vc, S_unit, mask=vm)
+            else:
+                tl.store(h_out + ((c0 + ci) * H + i_h) * K * V + hoff, _out(S, h_out, EMU), mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
         offv = row[:, None] * V + vc[None, :]
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         if F16:
-            S16, S_unit = _f16_columns(S)
             vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot16(wt, S16, EMU) * S_unit[None, :]
         else:
             vn = tl.load(u + offv, mask=m2v, other=0.0).to(tl.float32) - _dot(wt, S, P, EMU)
@@ -735,11 +750,12 @@ def _bwd_dav_kernel(
 
 @triton.jit
 def _bwd_state_kernel(
-    qg, kd, gl, w, Aqk, do, dht, dh_out, dvn, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dh_out, dh_unit, dvn, dh0,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, EMU: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, P: tl.constexpr, F16: tl.constexpr, H16: tl.constexpr,
+    EMU: tl.constexpr,
 ):  # fmt: skip
     """One (sequence x head, V tile), chunks in reverse: dS (grad of the state after each chunk) and dv_new.
 
@@ -748,7 +764,8 @@ def _bwd_state_kernel(
 
     ``F16`` (fp16 ``A_qk``, ``qg``, ``kd`` and ``w``, tf32 products asked for): as in the forward's state kernel,
     the four products take fp16 operands, ``dO``, ``dS`` and ``dv_new`` scaled per column (``_f16_columns``):
-    the 11 significant bits of tf32 without converting the fp16 tiles to fp32 for every product."""
+    the 11 significant bits of tf32 without converting the fp16 tiles to fp32 for every product. ``H16`` (with
+    ``F16``): each ``dS`` is written as that fp16 ``dS16`` with its per-column factor in ``dh_unit``."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -772,7 +789,13 @@ def _bwd_state_kernel(
         ci = nch - 1 - cj
         valid = r < L - ci * BT
         row = (s0 + ci * BT + r) * H + i_h  # token-major row index of (token, head)
-        tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
+        if F16:
+            dS16, dS_unit = _f16_columns(dS)
+        if H16:
+            tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS16, mask=hm)
+            tl.store(dh_unit + ((c0 + ci) * H + i_h) * V + vc, dS_unit, mask=vm)
+        else:
+            tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
         m2k = valid[:, None] & km[None, :]
         m2v = valid[:, None] & vm[None, :]
         offk = row[:, None] * K + kc[None, :]
@@ -782,7 +805,6 @@ def _bwd_state_kernel(
         AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
         if F16:
             do16, do_unit = _f16_columns(dot_)
-            dS16, dS_unit = _f16_columns(dS)
             dv_ = _dot16(AqT, do16, EMU) * do_unit[None, :] + _dot16(kdt, dS16, EMU) * dS_unit[None, :]
         else:
             dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
@@ -835,18 +857,19 @@ def _bwd_wy_v_kernel(
 
 @triton.jit
 def _bwd_wy_k_kernel(
-    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
+    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit, dh, dh_unit, do,
     dqh, dkh, dGh, dAk_part, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, SLOT0: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    H16: tl.constexpr, DH16: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, K tile): gradients through the inter-chunk terms and w = T (beta k exp(G)).
 
     Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``SLOT0 + i_k`` of
     ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). By default the K tile is the whole K
-    (``ChunkKDAConfig.bwd_block_k``), so the V-side tiles are read once per (chunk, head)."""
+    (``ChunkKDAConfig.bwd_block_k``), so the V-side tiles are read once per (chunk, head). ``H16`` / ``DH16``:
+    the states / their gradients come as fp16 tiles with one factor per column (the state kernels' ``H16``)."""
     i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -862,6 +885,7 @@ def _bwd_wy_k_kernel(
     dkt = tl.full([BT, BK], 0.0, tl.float32)  # v_new dS'^T
     dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
     hbase = (i_c.to(tl.int64) * H + i_h) * K * V
+    ubase = (i_c.to(tl.int64) * H + i_h) * V  # the column factors of the H16 / DH16 forms
     # a runtime loop: unrolled (static_range), every V tile's loads were issued up front and the kernel spilled
     # 616 bytes per thread; as a loop it is 1.94 -> 1.64 ms at 2·8192·32·128 on an H200 (same tiles)
     for vv in range(0, V, BV):
@@ -871,8 +895,12 @@ def _bwd_wy_k_kernel(
         offv = row[:, None] * V + cv[None, :]
         hoff = hbase + c[:, None] * V + cv[None, :]
         hm = cm[:, None] & vm[None, :]
-        hs = tl.load(h + hoff, mask=hm, other=0.0)
-        dhs = tl.load(dh + hoff, mask=hm, other=0.0)
+        hs = tl.load(h + hoff, mask=hm, other=0.0).to(tl.float32)
+        if H16:
+            hs *= tl.load(h_unit + ubase + cv, mask=vm, other=0.0)[None, :]
+        dhs = tl.load(dh + hoff, mask=hm, other=0.0).to(tl.float32)
+        if DH16:
+            dhs *= tl.load(dh_unit + ubase + cv, mask=vm, other=0.0)[None, :]
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
         vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
@@ -1277,16 +1305,22 @@ def _bwd_state_f16(cfg: ChunkKDAConfig, kd: Tensor, Aqk: Tensor, meta: _Meta) ->
 
 
 def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtype, want_final, out=None):
-    """Stage 5 (also the backward's recomputation): states before every chunk, v_new, final state.
+    """Stage 5 (also the backward's recomputation): ``(states before every chunk, their column factors, v_new,
+    final state)``.
 
     ``out = (qg, Aqk, o)``: the forward's output is computed here too, chunk by chunk from the state in
     registers, and neither ``v_new`` nor the states are written (None is returned for them) unless ``h_dtype``
-    is given (the chunk states were asked for)."""
+    is given (the chunk states were asked for). Without ``out``, where the kernel forms fp16 products and
+    ``ChunkKDAConfig.f16_states`` is on, the states come back as fp16 with an fp32 factor per column
+    (``[chunks, H, V]``; None otherwise)."""
     _, H, K = kd.shape
     V = u.shape[-1]
     cfg, dev = meta.cfg, kd.device
     save_h = out is None or h_dtype is not None
-    h = _alloc((layout.n_chunks, H, K, V), h_dtype, dev, cfg.poison) if save_h else gl
+    f16 = out is None and kd.dtype == torch.float16 and P == 3  # tf32 asked for: see the kernel's notes
+    h16 = f16 and cfg.f16_states
+    h = _alloc((layout.n_chunks, H, K, V), torch.float16 if h16 else h_dtype, dev, cfg.poison) if save_h else gl
+    h_unit = _alloc((layout.n_chunks, H, V), torch.float32, dev, cfg.poison) if h16 else gl
     v_new = _alloc((layout.n_tokens, H, V), v_new_dtype, dev, cfg.poison) if out is None else gl
     qg, Aqk, o = out if out is not None else (gl, gl, gl)
     ht = _alloc((layout.n_seqs, H, K, V), torch.float32, dev, cfg.poison) if want_final else gl
@@ -1294,16 +1328,16 @@ def _run_state_forward(kd, gl, w, u, h0, layout, meta, *, P, h_dtype, v_new_dtyp
     BV, num_warps = _state_launch(cfg.state_block_v_fp32 if fp32 else cfg.state_block_v,
                                   cfg.state_num_warps_fp32 if fp32 else cfg.state_num_warps, layout.n_seqs * H, V, dev)
     num_stages = _forward_state_stages(cfg, fp32, layout.n_seqs * H * triton.cdiv(V, BV), dev)
-    f16 = out is None and kd.dtype == torch.float16 and P == 3  # tf32 asked for: see the kernel's notes
-    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P)
+    key = (dev, kd.dtype, u.dtype, K, V, meta.chunk_size, BV, num_warps, num_stages, save_h, out is None, P, h16)
     _launch_within_shared_memory(lambda stages: _fwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        kd, gl, w, u, h0 if h0 is not None else gl, h, v_new, ht, qg, Aqk, o,
+        kd, gl, w, u, h0 if h0 is not None else gl, h, h_unit, v_new, ht, qg, Aqk, o,
         layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=meta.chunk_size, KP=max(16, triton.next_power_of_2(K)), BV=BV,
         HAS_H0=h0 is not None, SAVE_H=save_h, SAVE_V_NEW=out is None, OUT=out is not None,
-        STORE_FINAL=want_final, P=P, F16=f16, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
+        STORE_FINAL=want_final, P=P, F16=f16, H16=h16, EMU=meta.emu, num_warps=num_warps, num_stages=stages,
     ), num_stages, key)  # fmt: skip
-    return (h if save_h else None), (v_new if out is None else None), (ht if want_final else None)
+    return ((h if save_h else None), (h_unit if h16 else None), (v_new if out is None else None),
+            (ht if want_final else None))
 
 
 def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
@@ -1368,7 +1402,7 @@ def _forward(q, k, v, g_raw, beta_raw, A_log, dt_bias, h0, layout, meta, want_fi
     inter = _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta)
     _, _, _, Aqk, _, w, u, qg, kd, gl = inter
     o = _alloc((layout.n_tokens, H, V), v.dtype, dev, cfg.poison)
-    h, _, ht = _run_state_forward(
+    h, _, _, ht = _run_state_forward(
         kd, gl, w, u, h0, layout, meta, P=meta.prec_fwd, h_dtype=torch.float32 if want_chunks else None,
         v_new_dtype=None, want_final=want_final, out=(qg, Aqk, o),
     )  # fmt: skip
@@ -1388,7 +1422,7 @@ def _backward(do, dht, saved, layout, meta):
     nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
-    h, v_new, _ = _run_state_forward(
+    h, h_unit, v_new, _ = _run_state_forward(
         kd, gl, w, u, h0, layout, meta, P=meta.prec, h_dtype=f32, v_new_dtype=f32, want_final=False
     )
 
@@ -1398,15 +1432,18 @@ def _backward(do, dht, saved, layout, meta):
         H=H, V=V, BT=BT, BV=cfg.bwd_block_v, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
 
-    dh = _alloc((N, H, K, V), f32, dev, poison)
+    state_f16 = _bwd_state_f16(cfg, kd, Aqk, meta)
+    dh16 = state_f16 and cfg.f16_states
+    dh = _alloc((N, H, K, V), torch.float16 if dh16 else f32, dev, poison)
+    dh_unit = _alloc((N, H, V), f32, dev, poison) if dh16 else None
     dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     BV, num_warps = _state_launch(cfg.bwd_state_block_v, cfg.bwd_state_num_warps, layout.n_seqs * H, V, dev)
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
-        qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dvn, dh0 if dh0 is not None else gl,
-        layout.seq_start, layout.seq_len, layout.seq_chunk0,
+        qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dh_unit if dh16 else gl, dvn,
+        dh0 if dh0 is not None else gl, layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        P=meta.prec, F16=_bwd_state_f16(cfg, kd, Aqk, meta), EMU=meta.emu, num_warps=num_warps,
+        P=meta.prec, F16=state_f16, H16=dh16, EMU=meta.emu, num_warps=num_warps,
         num_stages=cfg.bwd_state_num_stages,
     )  # fmt: skip
     del qg, kd, gl, Aqk
@@ -1423,12 +1460,14 @@ def _backward(do, dht, saved, layout, meta):
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
     _bwd_wy_k_kernel[(N * H * nkb,)](
-        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, dh, do,
-        dqh, dkh, dGh, dAk_part, dbeta_part, layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit if h_unit is not None else G, dh,
+        dh_unit if dh16 else G, do, dqh, dkh, dGh, dAk_part, dbeta_part,
+        layout.chunk_start, layout.chunk_len, NT, meta.scale,
+        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki,
+        H16=h_unit is not None, DH16=dh16, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    del h, dh, dvn, v_new
+    del h, h_unit, dh, dh_unit, dvn, v_new
     dAk = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_dak_kernel[(N * H,)](
         Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,

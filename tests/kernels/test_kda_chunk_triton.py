@@ -116,12 +116,45 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
-def test_backward_state_kernel_without_fp16_products():
-    # bf16 inputs take fp16 products in the backward state kernel by default; the tf32 form (asked for, or
-    # pipelined loops) must hold the same tolerance, with a tail chunk and states in and out.
+@pytest.mark.parametrize("fields", [dict(bwd_state_f16=False), dict(f16_states=False)])
+def test_backward_without_fp16_products_or_fp16_states(fields):
+    # bf16 inputs take fp16 products in the backward state kernel and keep the backward's states and state
+    # gradients as fp16 tiles with column factors by default; the tf32 products (asked for, or pipelined loops;
+    # then the state gradients are fp32) and fp32 states must hold the same tolerance, with a tail chunk and
+    # states in and out.
     gen = fresh_generator()
-    config = ChunkKDAConfig(poison=True, bwd_state_f16=False)
+    config = ChunkKDAConfig(poison=True, **fields)
     _assert_all(_run_both(_inputs(gen, 2, 70, 2, torch.bfloat16), torch.bfloat16, config=config), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fields", "expected"),
+    [
+        (torch.bfloat16, dict(), [torch.float16, torch.float16]),
+        (torch.bfloat16, dict(f16_states=False), [torch.float32, torch.float32]),
+        (torch.bfloat16, dict(bwd_state_f16=False), [torch.float16, torch.float32]),
+        (torch.float32, dict(), [torch.float32, torch.float32]),
+    ],
+)
+def test_backward_states_are_fp16_only_where_the_state_kernels_form_fp16_products(monkeypatch, dtype, fields,
+                                                                                expected):
+    # The [chunks, H, K, V] buffers of one backward: the recomputed states, then their gradients.
+    import k3.kernels.kda.chunk as chunk_module
+
+    made, alloc = [], chunk_module._alloc
+
+    def recording_alloc(shape, dtype_, device, poison):
+        if len(shape) == 4 and shape[1:] == (H, K, V):
+            made.append(dtype_)
+        return alloc(shape, dtype_, device, poison)
+
+    monkeypatch.setattr(chunk_module, "_alloc", recording_alloc)
+    leaves = _leaves(_inputs(fresh_generator(), 1, 40, 1, dtype))
+    o, _ = chunk_kda(*leaves[:7], lower_bound=LOWER_BOUND, config=ChunkKDAConfig(poison=True, **fields))
+    made.clear()  # the forward's allocations
+    o.float().sum().backward()
+    assert made == expected
+    assert all(torch.isfinite(x.grad).all() for x in leaves[:7])
 
 
 def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tiles():
@@ -299,6 +332,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("intra_block_k", 8, r"ChunkKDAConfig.intra_block_k must be a power of two >= 16, got 8"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
         ("bwd_state_f16", "no", r"ChunkKDAConfig.bwd_state_f16 must be a bool, got 'no'"),
+        ("f16_states", 1, r"ChunkKDAConfig.f16_states must be a bool, got 1"),
         ("poison", "yes", r"ChunkKDAConfig.poison must be a bool, got 'yes'"),
         ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
