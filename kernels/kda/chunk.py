@@ -156,12 +156,10 @@ class ChunkKDAConfig:
             ``bwd_state_num_stages`` is 1 (``dO``, ``dS`` and ``dv_new`` scaled per column; see the kernel):
             0.927 -> 0.832 ms at 2·8192·32·128 on an H100. Off: tf32 products.
         f16_states: where a state kernel forms fp16 products (the backward's recomputation of the states with
-            fp16 tiles, and the backward state kernel under ``bwd_state_f16``), what it writes for the WY
-            kernels -- the states, their gradients and ``dv_new``'s -- is the fp16 tile with one fp32 factor per
-            column that its products use, instead of fp32. Their readers use them only as tf32 product operands
-            (11 significant bits, as fp16 has) and in one elementwise sum (``dG`` of the chunk's last row), so
-            this halves those bytes written and read, and the memory of the two largest backward buffers
-            (``[chunks, H, K, V]`` each). Off: fp32.
+            fp16 tiles, and the backward state kernel under ``bwd_state_f16``), the states / state gradients it
+            writes for the WY-K kernel are that fp16 tile with one fp32 factor per column instead of fp32: the
+            values the recurrence's products use, half the bytes written there and read by WY-K, and half the
+            memory of the two largest backward buffers (``[chunks, H, K, V]`` each). Off: fp32 states.
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile). The whole
             K = 128 (one program per chunk and head) reads each V-side tile (``dO``, ``dv_new``, ``v_new``) once
             instead of once per K tile: on an H200 at 2·8192·32·128 that kernel went from 1.64 to 1.55 ms
@@ -752,7 +750,7 @@ def _bwd_dav_kernel(
 
 @triton.jit
 def _bwd_state_kernel(
-    qg, kd, gl, w, Aqk, do, dht, dh_out, dh_unit, dvn, dvn_unit, dh0,
+    qg, kd, gl, w, Aqk, do, dht, dh_out, dh_unit, dvn, dh0,
     seq_start, seq_len, seq_chunk0,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -767,8 +765,7 @@ def _bwd_state_kernel(
     ``F16`` (fp16 ``A_qk``, ``qg``, ``kd`` and ``w``, tf32 products asked for): as in the forward's state kernel,
     the four products take fp16 operands, ``dO``, ``dS`` and ``dv_new`` scaled per column (``_f16_columns``):
     the 11 significant bits of tf32 without converting the fp16 tiles to fp32 for every product. ``H16`` (with
-    ``F16``): each ``dS`` and each chunk's ``dv_new`` are written as those fp16 tiles (``dS16``, ``dv16``) with
-    their per-column factors in ``dh_unit`` and ``dvn_unit`` (``[chunks, H, V]``)."""
+    ``F16``): each ``dS`` is written as that fp16 ``dS16`` with its per-column factor in ``dh_unit``."""
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     n = i_nh // H
@@ -811,17 +808,12 @@ def _bwd_state_kernel(
             dv_ = _dot16(AqT, do16, EMU) * do_unit[None, :] + _dot16(kdt, dS16, EMU) * dS_unit[None, :]
         else:
             dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
-        if F16:
-            dv16, dv_unit = _f16_columns(dv_)
-        if H16:
-            tl.store(dvn + offv, dv16, mask=m2v)
-            tl.store(dvn_unit + ((c0 + ci) * H + i_h) * V + vc, dv_unit, mask=vm)
-        else:
-            tl.store(dvn + offv, dv_, mask=m2v)
+        tl.store(dvn + offv, dv_, mask=m2v)
         qgt = tl.load(qg + offk, mask=m2k, other=0.0)
         wt = tl.load(w + offk, mask=m2k, other=0.0)
         Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
         if F16:
+            dv16, dv_unit = _f16_columns(dv_)
             dS = (dS * tl.exp(Gl)[:, None] + _dot16(tl.trans(qgt), do16, EMU) * do_unit[None, :]
                   - _dot16(tl.trans(wt), dv16, EMU) * dv_unit[None, :])
         else:
@@ -832,14 +824,13 @@ def _bwd_state_kernel(
 
 @triton.jit
 def _bwd_wy_v_kernel(
-    v, beta_raw, Tkk, u, dvn, dvn_unit, dv, dAk_part, dbeta_wy,
+    v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy,
     chunk_start, chunk_len,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    DV16: tl.constexpr, BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head): gradients through u = T (beta v): dv = beta T^T du, the v share of dbeta, and
-    du u^T, the first term of dA_kk = -T^T (du u^T + dw w^T) (slot 0 of ``dAk_part``). ``DV16``: du comes as
-    fp16 tiles with one factor per column (the backward state kernel's ``H16``)."""
+    du u^T, the first term of dA_kk = -T^T (du u^T + dw w^T) (slot 0 of ``dAk_part``)."""
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -855,9 +846,7 @@ def _bwd_wy_v_kernel(
         c = vv + tl.arange(0, BV)
         m2 = valid[:, None] & (c < V)[None, :]
         off = row[:, None] * V + c[None, :]
-        du = tl.load(dvn + off, mask=m2, other=0.0).to(tl.float32)
-        if DV16:
-            du *= tl.load(dvn_unit + (i_c.to(tl.int64) * H + i_h) * V + c, mask=c < V, other=0.0)[None, :]
+        du = tl.load(dvn + off, mask=m2, other=0.0)
         x = _dot(TmT, du, P, EMU)
         tl.store(dv + off, _out(beta_f[:, None] * x, dv, EMU), mask=m2)
         dbeta += _sum(tl.load(v + off, mask=m2, other=0.0).to(tl.float32) * x, 1)
@@ -868,7 +857,7 @@ def _bwd_wy_v_kernel(
 
 @triton.jit
 def _bwd_wy_k_kernel(
-    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, dvn_unit, h, h_unit, dh, dh_unit, do,
+    q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit, dh, dh_unit, do,
     dqh, dkh, dGh, dAk_part, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -880,8 +869,7 @@ def _bwd_wy_k_kernel(
     Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``SLOT0 + i_k`` of
     ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). By default the K tile is the whole K
     (``ChunkKDAConfig.bwd_block_k``), so the V-side tiles are read once per (chunk, head). ``H16`` / ``DH16``:
-    the states / their gradients and ``dv_new``'s come as fp16 tiles with one factor per column (the state
-    kernels' ``H16``)."""
+    the states / their gradients come as fp16 tiles with one factor per column (the state kernels' ``H16``)."""
     i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -914,9 +902,7 @@ def _bwd_wy_k_kernel(
         if DH16:
             dhs *= tl.load(dh_unit + ubase + cv, mask=vm, other=0.0)[None, :]
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
-        dvt = tl.load(dvn + offv, mask=m2v, other=0.0).to(tl.float32)
-        if DH16:
-            dvt *= tl.load(dvn_unit + ubase + cv, mask=vm, other=0.0)[None, :]
+        dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
         vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
         hsT = tl.trans(hs)
         dqi += _dot(dot_, hsT, P, EMU)
@@ -1450,13 +1436,12 @@ def _backward(do, dht, saved, layout, meta):
     dh16 = state_f16 and cfg.f16_states
     dh = _alloc((N, H, K, V), torch.float16 if dh16 else f32, dev, poison)
     dh_unit = _alloc((N, H, V), f32, dev, poison) if dh16 else None
-    dvn = _alloc((NT, H, V), torch.float16 if dh16 else f32, dev, poison)
-    dvn_unit = _alloc((N, H, V), f32, dev, poison) if dh16 else None
+    dvn = _alloc((NT, H, V), f32, dev, poison)
     dh0 = _alloc((layout.n_seqs, H, K, V), f32, dev, poison) if h0 is not None else None
     BV, num_warps = _state_launch(cfg.bwd_state_block_v, cfg.bwd_state_num_warps, layout.n_seqs * H, V, dev)
     _bwd_state_kernel[(layout.n_seqs * H, triton.cdiv(V, BV))](
         qg, kd, gl, w, Aqk, do, dht if dht is not None else gl, dh, dh_unit if dh16 else gl, dvn,
-        dvn_unit if dh16 else gl, dh0 if dh0 is not None else gl, layout.seq_start, layout.seq_len, layout.seq_chunk0,
+        dh0 if dh0 is not None else gl, layout.seq_start, layout.seq_len, layout.seq_chunk0,
         H=H, K=K, V=V, BT=BT, KP=KP, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         P=meta.prec, F16=state_f16, H16=dh16, EMU=meta.emu, num_warps=num_warps,
         num_stages=cfg.bwd_state_num_stages,
@@ -1468,23 +1453,21 @@ def _backward(do, dht, saved, layout, meta):
     dbeta_wy = _alloc((NT, H), f32, dev, poison)
     dbeta_part = _alloc((nki + nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
     _bwd_wy_v_kernel[(N * H,)](
-        v, beta_raw, Tkk, u, dvn, dvn_unit if dh16 else dvn, dv, dAk_part, dbeta_wy,
-        layout.chunk_start, layout.chunk_len,
-        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, DV16=dh16, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu, **chunked,
+        v, beta_raw, Tkk, u, dvn, dv, dAk_part, dbeta_wy, layout.chunk_start, layout.chunk_len,
+        H=H, V=V, BT=BT, BV=cfg.bwd_block_v, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec, EMU=meta.emu, **chunked,
     )  # fmt: skip
     dqh = _alloc((NT, H, K), f32, dev, poison)
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
     _bwd_wy_k_kernel[(N * H * nkb,)](
-        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, dvn_unit if dh16 else G, h,
-        h_unit if h_unit is not None else G, dh,
+        q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit if h_unit is not None else G, dh,
         dh_unit if dh16 else G, do, dqh, dkh, dGh, dAk_part, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
         H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki,
         H16=h_unit is not None, DH16=dh16, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    del h, h_unit, dh, dh_unit, dvn, dvn_unit, v_new
+    del h, h_unit, dh, dh_unit, dvn, v_new
     dAk = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_dak_kernel[(N * H,)](
         Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,

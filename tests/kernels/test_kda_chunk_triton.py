@@ -128,39 +128,47 @@ def test_backward_without_fp16_products_or_fp16_states(fields):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "fields", "states", "per_token"),
+    ("dtype", "fields", "expected"),
     [
-        (torch.bfloat16, dict(), [torch.float16] * 2, [torch.float32, torch.float16, torch.bfloat16]),
-        (torch.bfloat16, dict(f16_states=False), [torch.float32] * 2, [torch.float32, torch.float32, torch.bfloat16]),
-        (torch.bfloat16, dict(bwd_state_f16=False), [torch.float16, torch.float32], [torch.float32] * 2 + [torch.bfloat16]),
-        (torch.float32, dict(), [torch.float32] * 2, [torch.float32] * 3),
+        (torch.bfloat16, dict(), [torch.float16, torch.float16]),
+        (torch.bfloat16, dict(f16_states=False), [torch.float32, torch.float32]),
+        (torch.bfloat16, dict(bwd_state_f16=False), [torch.float16, torch.float32]),
+        (torch.float32, dict(), [torch.float32, torch.float32]),
     ],
 )
-def test_backward_buffers_are_fp16_only_where_the_state_kernels_form_fp16_products(
-    monkeypatch, dtype, fields, states, per_token
-):
-    # The buffers of one backward: [chunks, H, K, V] (the recomputed states, then their gradients) and
-    # [tokens, H, V] (the recomputed v_new, its gradient, then dv).
+def test_backward_states_are_fp16_only_where_the_state_kernels_form_fp16_products(monkeypatch, dtype, fields,
+                                                                                expected):
+    # The [chunks, H, K, V] buffers of one backward: the recomputed states, then their gradients.
     import k3.kernels.kda.chunk as chunk_module
 
-    T = 40
-    made, alloc = {"states": [], "per_token": []}, chunk_module._alloc
+    made, alloc = [], chunk_module._alloc
 
     def recording_alloc(shape, dtype_, device, poison):
         if len(shape) == 4 and shape[1:] == (H, K, V):
-            made["states"].append(dtype_)
-        elif tuple(shape) == (T, H, V):
-            made["per_token"].append(dtype_)
+            made.append(dtype_)
         return alloc(shape, dtype_, device, poison)
 
     monkeypatch.setattr(chunk_module, "_alloc", recording_alloc)
-    leaves = _leaves(_inputs(fresh_generator(), 1, T, 1, dtype))
+    leaves = _leaves(_inputs(fresh_generator(), 1, 40, 1, dtype))
     o, _ = chunk_kda(*leaves[:7], lower_bound=LOWER_BOUND, config=ChunkKDAConfig(poison=True, **fields))
-    for kind in made.values():  # the forward's allocations
-        kind.clear()
+    made.clear()  # the forward's allocations
     o.float().sum().backward()
-    assert made == {"states": states, "per_token": per_token}
+    assert made == expected
     assert all(torch.isfinite(x.grad).all() for x in leaves[:7])
+
+
+def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tiles():
+    from types import SimpleNamespace
+
+    from k3.kernels.kda.chunk import _bwd_state_f16
+
+    fp16, fp32 = torch.zeros(1, dtype=torch.float16), torch.zeros(1)
+    tf32, ieee = SimpleNamespace(prec=3), SimpleNamespace(prec=2)
+    assert _bwd_state_f16(ChunkKDAConfig(), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(bwd_state_f16=False), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(bwd_state_num_stages=2), fp16, fp16, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(), fp32, fp32, tf32)
+    assert not _bwd_state_f16(ChunkKDAConfig(), fp16, fp16, ieee)
 
 
 @pytest.mark.parametrize(
