@@ -159,7 +159,10 @@ class ChunkKDAConfig:
             fp16 tiles, and the backward state kernel under ``bwd_state_f16``), the states / state gradients it
             writes for the WY-K kernel are that fp16 tile with one fp32 factor per column instead of fp32: the
             values the recurrence's products use, half the bytes written there and read by WY-K, and half the
-            memory of the two largest backward buffers (``[chunks, H, K, V]`` each). Off: fp32 states.
+            memory of the two largest backward buffers (``[chunks, H, K, V]`` each). On an H200, fwd+bwd at
+            2·8192·32·128 8.35 -> 8.16 ms (backward state kernel 0.86 -> 0.67, WY-K 1.54 -> 1.57), peak memory
+            4048 -> 3544 MiB; at 1·32768·32·128 18.44 -> 17.93 ms. ``dv_new``'s gradient in the same form was
+            tried and dropped: WY-V 0.40 -> 0.54 ms undid the gain. Off: fp32 states.
         bwd_block_k: K tile of the backward WY kernel (one program per chunk, head and K tile). The whole
             K = 128 (one program per chunk and head) reads each V-side tile (``dO``, ``dv_new``, ``v_new``) once
             instead of once per K tile: on an H200 at 2·8192·32·128 that kernel went from 1.64 to 1.55 ms
