@@ -61,7 +61,9 @@ Design decisions
   the states are fp32, ``A_qk``, ``w``, ``qg`` and ``kd`` fp16 where they are bounded by 1
   (``_bounded_operand_dtype``: same 11 significant bits as the tf32 products, half the bytes; fp32 otherwise),
   and the states are recomputed with 11 significant bits (tf32 products; with fp16 ``w`` and ``kd``, fp16
-  products on per-column scaled states, see ``_fwd_state_kernel``): ``dA_log`` (and ``dt_bias``) sum ``dG``
+  products on per-column scaled states, see ``_fwd_state_kernel``, which then hand those fp16 states with their
+  column factors to the WY-K kernel, as the backward state kernel does the state gradients:
+  ``ChunkKDAConfig.f16_states``): ``dA_log`` (and ``dt_bias``) sum ``dG``
   terms over all tokens that largely cancel, so a rounding anywhere upstream shows up there first. Measured
   with the CPU tests' fresh inputs: bf16 ``u`` or ``v_new`` raised ``dA_log``'s error five-fold, bf16 ``kd``
   raised ``dv``'s and ``dbeta``'s, bf16 states or bf16 products in the recomputation pushed ``dA_log`` past
