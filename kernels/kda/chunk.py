@@ -794,42 +794,35 @@ def _bwd_state_kernel(
         ci = nch - 1 - cj
         valid = r < L - ci * BT
         row = (s0 + ci * BT + r) * H + i_h  # token-major row index of (token, head)
-        m2k = valid[:, None] & km[None, :]
-        m2v = valid[:, None] & vm[None, :]
-        offk = row[:, None] * K + kc[None, :]
-        offv = row[:, None] * V + vc[None, :]
-        # every load of the chunk first: a load placed after the dv_new store cannot be moved above it (the
-        # pointers may alias), and w's latency then lands on the recurrence's critical path
-        kdt = tl.load(kd + offk, mask=m2k, other=0.0)
-        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
-        AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
-        qgt = tl.load(qg + offk, mask=m2k, other=0.0)
-        wt = tl.load(w + offk, mask=m2k, other=0.0)
-        Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
-        # the products with dO do not depend on dS: formed before the two that carry the recurrence
         if F16:
-            do16, do_unit = _f16_columns(dot_)
-            dv_do = _dot16(AqT, do16, EMU) * do_unit[None, :]
-            dS_do = _dot16(tl.trans(qgt), do16, EMU) * do_unit[None, :]
             dS16, dS_unit = _f16_columns(dS)
-        else:
-            dv_do = _dot(AqT, dot_, P, EMU)
-            dS_do = _dot(tl.trans(qgt), dot_, P, EMU)
         if H16:
             tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS16, mask=hm)
             tl.store(dh_unit + ((c0 + ci) * H + i_h) * V + vc, dS_unit, mask=vm)
         else:
             tl.store(dh_out + ((c0 + ci) * H + i_h) * K * V + hoff, dS, mask=hm)
+        m2k = valid[:, None] & km[None, :]
+        m2v = valid[:, None] & vm[None, :]
+        offk = row[:, None] * K + kc[None, :]
+        offv = row[:, None] * V + vc[None, :]
+        kdt = tl.load(kd + offk, mask=m2k, other=0.0)
+        dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
+        AqT = tl.trans(tl.load(Aqk + row[:, None] * BT + r[None, :], mask=valid[:, None], other=0.0))
         if F16:
-            dv_ = dv_do + _dot16(kdt, dS16, EMU) * dS_unit[None, :]
+            do16, do_unit = _f16_columns(dot_)
+            dv_ = _dot16(AqT, do16, EMU) * do_unit[None, :] + _dot16(kdt, dS16, EMU) * dS_unit[None, :]
         else:
-            dv_ = dv_do + _dot(kdt, dS, P, EMU)
+            dv_ = _dot(AqT, dot_, P, EMU) + _dot(kdt, dS, P, EMU)
         tl.store(dvn + offv, dv_, mask=m2v)
+        qgt = tl.load(qg + offk, mask=m2k, other=0.0)
+        wt = tl.load(w + offk, mask=m2k, other=0.0)
+        Gl = tl.load(gl + ((c0 + ci) * H + i_h) * K + kc, mask=km, other=0.0)
         if F16:
             dv16, dv_unit = _f16_columns(dv_)
-            dS = dS * tl.exp(Gl)[:, None] + dS_do - _dot16(tl.trans(wt), dv16, EMU) * dv_unit[None, :]
+            dS = (dS * tl.exp(Gl)[:, None] + _dot16(tl.trans(qgt), do16, EMU) * do_unit[None, :]
+                  - _dot16(tl.trans(wt), dv16, EMU) * dv_unit[None, :])
         else:
-            dS = dS * tl.exp(Gl)[:, None] + dS_do - _dot(tl.trans(wt), dv_, P, EMU)
+            dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
     if STORE_DH0:
         tl.store(dh0 + (n * H + i_h) * K * V + hoff, dS, mask=hm)
 
