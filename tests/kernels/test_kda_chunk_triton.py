@@ -136,8 +136,9 @@ def test_backward_without_fp16_products_or_fp16_states(fields):
         (torch.float32, dict(), [torch.float32, torch.float32]),
     ],
 )
-def test_backward_states_are_fp16_only_where_the_state_kernels_form_fp16_products(monkeypatch, dtype, fields,
-                                                                                expected):
+def test_backward_states_are_fp16_only_where_the_state_kernels_form_fp16_products(
+    monkeypatch, dtype, fields, expected
+):
     # The [chunks, H, K, V] buffers of one backward: the recomputed states, then their gradients.
     import k3.kernels.kda.chunk as chunk_module
 
