@@ -120,7 +120,7 @@ class ChunkKDAConfig:
         intra_block_k: K tile of the forward strip kernel (rows of ``A_qk`` and ``A_kk``): 32 took it from 0.67
             to 0.63 ms at 2·8192·32·128 on an H200 (0.84 ms at 128; docs/BENCHMARKS.md).
         gate_block_k: K tile of the gate kernel: one program per (chunk, head, K tile) computes the gate and
-            its cumulative sum ``G`` on that tile, one more per (chunk, head) the q/k row norms. 32: 0.23 ms
+            its cumulative sum ``G`` on that tile, two more per (chunk, head) the q and k row norms. 32: 0.23 ms
             at 2·8192·32·128 on an H200, 64: 0.29; one program per (chunk, head) looping over the tiles took
             0.28 (docs/BENCHMARKS.md).
         block_v: V tile of the forward WY kernel (power of two >= 16).
@@ -461,6 +461,22 @@ def _unit_lower_inverse16(A):
 # ================================================================================================ forward
 
 
+@_helper
+def _inverse_row_norms(x, rx, row, valid, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """``rx = 1 / max(||x||, eps)`` of one chunk's ``BT`` rows (1 without the L2 norm)."""
+    if L2NORM:
+        sx = tl.full([BT], 0.0, tl.float32)
+        for kk in tl.static_range(0, K, BK):
+            c = kk + tl.arange(0, BK)
+            m2 = valid[:, None] & (c < K)[None, :]
+            bx = tl.load(x + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            sx += _sum(bx * bx, 1)
+        ix = 1.0 / tl.maximum(tl.sqrt(sx), _L2_EPS)
+    else:
+        ix = tl.full([BT], 1.0, dtype=tl.float32)
+    tl.store(rx + row, ix, mask=valid)
+
+
 @triton.jit
 def _fwd_gate_kernel(
     q, k, g_raw, A_log, dt_bias, G, gl, rq, rk,
@@ -469,8 +485,8 @@ def _fwd_gate_kernel(
     L2NORM: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, part): parts below ``NKT`` take one K tile of the gate, its cumulative sum ``G`` and
-    ``gl = G_last`` (one row per chunk); the last part takes the inverse row norms of q and k."""
-    i_c, i_h, part = _chunk_program(NKT + 1, H)
+    ``gl = G_last`` (one row per chunk); part ``NKT`` the inverse row norms of q, part ``NKT + 1`` those of k."""
+    i_c, i_h, part = _chunk_program(NKT + 2, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -488,25 +504,10 @@ def _fwd_gate_kernel(
         g = tl.where(m2, lower_bound * sig, 0.0)
         tl.store(G + off, _cumsum(g, 0), mask=m2)
         tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
+    elif part == NKT:
+        _inverse_row_norms(q, rq, row, valid, K, BT, BK, L2NORM)
     else:
-        if L2NORM:
-            sq = tl.full([BT], 0.0, tl.float32)
-            sk = tl.full([BT], 0.0, tl.float32)
-            for kk in tl.static_range(0, K, BK):
-                c = kk + tl.arange(0, BK)
-                m2 = valid[:, None] & (c < K)[None, :]
-                off = row[:, None] * K + c[None, :]
-                bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
-                bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
-                sq += _sum(bq * bq, 1)
-                sk += _sum(bk * bk, 1)
-            iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
-            ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
-        else:
-            iq = tl.full([BT], 1.0, dtype=tl.float32)
-            ik = tl.full([BT], 1.0, dtype=tl.float32)
-        tl.store(rq + row, iq, mask=valid)
-        tl.store(rk + row, ik, mask=valid)
+        _inverse_row_norms(k, rk, row, valid, K, BT, BK, L2NORM)
 
 
 @triton.jit
@@ -1374,7 +1375,7 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     kd = _alloc((NT, H, K), bounded, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nkt = triton.cdiv(K, cfg.gate_block_k)
-    _fwd_gate_kernel[(N * H * (nkt + 1),)](
+    _fwd_gate_kernel[(N * H * (nkt + 2),)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.gate_block_k, NKT=nkt, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
