@@ -21,9 +21,8 @@ Design decisions
   reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
   two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
   inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
-  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum
-  of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the L2-norm and sigmoid
-  backward (two more per chunk and head). No Python loop runs over chunks: chunk
+  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
+  of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
   and sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -120,7 +119,7 @@ class ChunkKDAConfig:
         intra_block_k: K tile of the forward strip kernel (rows of ``A_qk`` and ``A_kk``): 32 took it from 0.67
             to 0.63 ms at 2·8192·32·128 on an H200 (0.84 ms at 128; docs/BENCHMARKS.md).
         gate_block_k: K tile of the gate kernel: one program per (chunk, head, K tile) computes the gate and
-            its cumulative sum ``G`` on that tile, two more per (chunk, head) the q and k row norms. 32: 0.23 ms
+            its cumulative sum ``G`` on that tile, one more per (chunk, head) the q/k row norms. 32: 0.23 ms
             at 2·8192·32·128 on an H200, 64: 0.29; one program per (chunk, head) looping over the tiles took
             0.28 (docs/BENCHMARKS.md).
         block_v: V tile of the forward WY kernel (power of two >= 16).
@@ -179,15 +178,11 @@ class ChunkKDAConfig:
             and the two below).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
-        bwd_intra_num_warps: warps per program of the backward intra-chunk kernel (16-row tiles).
+        bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
+            per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles. 2 is the
+            fastest for the last kernel on an H100 at 2·8192·32·128: 0.68 ms, against 0.82 at 4 and 1.32 at 8.
         bwd_intra_num_stages: pipelining depth of the backward intra-chunk kernel's loops over the sub-chunks it
             interacts with. On an H100 at 2·8192·32·128 that kernel took 1.88 ms at 3, 1.92 at 2 and 1.91 at 1.
-        bwd_finish_block_k: K tile of the last backward kernel's gate part (reverse cumulative sum of ``dG``
-            and the gate backward, one program per (chunk, head, K tile) on the whole chunk); two more programs
-            per (chunk, head) take the L2-norm backward of ``dq`` and of ``dk`` (with ``dbeta``'s sigmoid
-            backward). As one program per (chunk, head) looping over 16-row sub-chunks, the kernel took
-            0.60 ms at 2·8192·32·128 on an H200 (0.68 on an H100, against 0.82 at 4 warps and 1.32 at 8).
-        bwd_finish_num_warps: warps per program of that kernel.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32; when
             all are 16-bit, bf16 products in the forward state kernel (the bf16 output is rounded anyway),
             split-bf16 products in the backward intra-chunk kernel (below) and tf32 products everywhere else
@@ -232,8 +227,6 @@ class ChunkKDAConfig:
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     bwd_intra_num_stages: int = 3
-    bwd_finish_block_k: int = 32
-    bwd_finish_num_warps: int = 2
     precision: str = "auto"
     recompute: bool = False
     poison: bool = False
@@ -241,7 +234,7 @@ class ChunkKDAConfig:
     def __post_init__(self) -> None:
         for name in (
             "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
-            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
+            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -255,7 +248,7 @@ class ChunkKDAConfig:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
             "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps",
-            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps", "bwd_finish_num_warps",
+            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -461,22 +454,6 @@ def _unit_lower_inverse16(A):
 # ================================================================================================ forward
 
 
-@_helper
-def _inverse_row_norms(x, rx, row, valid, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """``rx = 1 / max(||x||, eps)`` of one chunk's ``BT`` rows (1 without the L2 norm)."""
-    if L2NORM:
-        sx = tl.full([BT], 0.0, tl.float32)
-        for kk in tl.static_range(0, K, BK):
-            c = kk + tl.arange(0, BK)
-            m2 = valid[:, None] & (c < K)[None, :]
-            bx = tl.load(x + row[:, None] * K + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            sx += _sum(bx * bx, 1)
-        ix = 1.0 / tl.maximum(tl.sqrt(sx), _L2_EPS)
-    else:
-        ix = tl.full([BT], 1.0, dtype=tl.float32)
-    tl.store(rx + row, ix, mask=valid)
-
-
 @triton.jit
 def _fwd_gate_kernel(
     q, k, g_raw, A_log, dt_bias, G, gl, rq, rk,
@@ -485,8 +462,8 @@ def _fwd_gate_kernel(
     L2NORM: tl.constexpr,
 ):  # fmt: skip
     """One (chunk, head, part): parts below ``NKT`` take one K tile of the gate, its cumulative sum ``G`` and
-    ``gl = G_last`` (one row per chunk); part ``NKT`` the inverse row norms of q, part ``NKT + 1`` those of k."""
-    i_c, i_h, part = _chunk_program(NKT + 2, H)
+    ``gl = G_last`` (one row per chunk); the last part takes the inverse row norms of q and k."""
+    i_c, i_h, part = _chunk_program(NKT + 1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
@@ -504,10 +481,25 @@ def _fwd_gate_kernel(
         g = tl.where(m2, lower_bound * sig, 0.0)
         tl.store(G + off, _cumsum(g, 0), mask=m2)
         tl.store(gl + (i_c.to(tl.int64) * H + i_h) * K + c, _sum(g, 0), mask=cm)  # G at the chunk's last row
-    elif part == NKT:
-        _inverse_row_norms(q, rq, row, valid, K, BT, BK, L2NORM)
     else:
-        _inverse_row_norms(k, rk, row, valid, K, BT, BK, L2NORM)
+        if L2NORM:
+            sq = tl.full([BT], 0.0, tl.float32)
+            sk = tl.full([BT], 0.0, tl.float32)
+            for kk in tl.static_range(0, K, BK):
+                c = kk + tl.arange(0, BK)
+                m2 = valid[:, None] & (c < K)[None, :]
+                off = row[:, None] * K + c[None, :]
+                bq = tl.load(q + off, mask=m2, other=0.0).to(tl.float32)
+                bk = tl.load(k + off, mask=m2, other=0.0).to(tl.float32)
+                sq += _sum(bq * bq, 1)
+                sk += _sum(bk * bk, 1)
+            iq = 1.0 / tl.maximum(tl.sqrt(sq), _L2_EPS)
+            ik = 1.0 / tl.maximum(tl.sqrt(sk), _L2_EPS)
+        else:
+            iq = tl.full([BT], 1.0, dtype=tl.float32)
+            ik = tl.full([BT], 1.0, dtype=tl.float32)
+        tl.store(rq + row, iq, mask=valid)
+        tl.store(rk + row, ik, mask=valid)
 
 
 @triton.jit
@@ -1086,70 +1078,79 @@ def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.
     tl.store(dx + off, _out(g, dx, EMU), mask=m2)
 
 
+@_helper
+def _finish_sub_chunk(
+    q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
+    offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """The last step for one 16-row sub-chunk, given its ``dq``, ``dk``, ``dG`` tiles in dqh / dkh / dGh (each
+    loaded where it is used, which keeps the kernel at 168 registers instead of 246) and its ``dbeta`` rows: the
+    reverse cumulative sum of dG (``carry`` holds the sum of the later sub-chunks), the gate backward
+    (-> dg_raw, and the per-chunk sums for dt_bias and A_log), the L2-norm backward of dq and dk and the sigmoid
+    backward of dbeta. Returns the updated ``(carry, ddt, dal)``."""
+    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0)
+    dg = _revcumsum(dG_t, 0) + carry[None, :]
+    carry += _sum(dG_t, 0)
+    # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+    z, sig = _gate_sigmoid(tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32), dt, rate)
+    dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+    ddt += _sum(dz, 0)
+    dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
+    tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
+    _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
+    _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
+    if BETA_SIGMOID:
+        sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
+        db = db * sb * (1.0 - sb)
+    tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
+    return carry, ddt, dal
+
+
 @triton.jit
 def _bwd_finish_kernel(
     q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
     dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
     chunk_start, chunk_len, n_tok, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    NKT: tl.constexpr, NKB: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NKB: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """The last step, on the gradients the WY-K and intra-chunk kernels left in dqh / dkh / dGh and the dbeta
-    parts. One (chunk, head, part): parts below ``NKT`` take one K tile of the whole chunk, the reverse
-    cumulative sum of dG and the gate backward (-> dg_raw, and the per-chunk sums for dt_bias and A_log);
-    part ``NKT`` the L2-norm backward of dq and the sigmoid backward of dbeta, part ``NKT + 1`` the L2-norm
-    backward of dk, 16 rows at a time.
+    """One (chunk, head), sub-chunks last to first: ``_finish_sub_chunk`` on the gradients the WY-K and
+    intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts.
 
-    Every column is independent except in the L2 norm, so the gate work splits by K tile, as in the forward
-    gate kernel. Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel
-    over the whole K, so that they never go through dqh / dkh / dGh, took 4.36 ms against 1.94 + 0.61 ms for
-    the two kernels at 2·8192·32·128 on an H200; this kernel fused into the intra-chunk one (one program per
-    (chunk, head) looping over its K tiles and sub-chunks, then over rows it had just written) 3.21 ms against
-    1.92 + 0.68 on an H100: eight times fewer programs than the intra-chunk kernel has, to hide the same
-    loads' latency."""
-    i_c, i_h, part = _chunk_program(NKT + 2, H)
+    Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel over the whole K,
+    so that they never go through dqh / dkh / dGh, took 4.36 ms against 1.94 + 0.61 ms for the two kernels at
+    2·8192·32·128 on an H200; this kernel fused into the intra-chunk one (one program per (chunk, head) looping
+    over its K tiles and sub-chunks, then over rows it had just written) 3.21 ms against 1.92 + 0.68 on an
+    H100: eight times fewer programs than the intra-chunk kernel has, to hide the same loads' latency."""
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
-    if part < NKT:
-        r = tl.arange(0, BT)
-        valid = r < nv
-        row = (t0 + r) * H + i_h  # token-major row index of (token, head)
-        c = part * BK + tl.arange(0, BK)
-        cm = c < K
-        m2 = valid[:, None] & cm[None, :]
-        off = row[:, None] * K + c[None, :]
-        dg = _revcumsum(tl.load(dGh + off, mask=m2, other=0.0), 0)
-        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
-        rate, rate_ok = _gate_rate(A_log, i_h)
-        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
-        dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-        tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
-        poff = (i_c.to(tl.int64) * H + i_h) * K + c
-        tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
-        # dz = 0 wherever z is infinite
-        tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
-    else:
-        o16 = tl.arange(0, 16)
-        kc = tl.arange(0, KP)
-        km = kc < K
-        for b in range(0, tl.cdiv(nv, 16)):
-            rb = b * 16 + o16
-            vb = rb < nv
-            rowb = (t0 + rb) * H + i_h
-            m2b = vb[:, None] & km[None, :]
-            offb = rowb[:, None] * K + kc[None, :]
-            if part == NKT:
-                _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
-                db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
-                for j in tl.static_range(NKB):
-                    db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
-                if BETA_SIGMOID:
-                    sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
-                    db = db * sb * (1.0 - sb)
-                tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
-            else:
-                _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
+    o16 = tl.arange(0, 16)
+    kc = tl.arange(0, KP)
+    km = kc < K
+    rate, rate_ok = _gate_rate(A_log, i_h)
+    dt = tl.load(dt_bias + i_h * K + kc, mask=km, other=0.0).to(tl.float32)
+    carry = tl.full([KP], 0.0, tl.float32)
+    ddt = tl.full([KP], 0.0, tl.float32)
+    dal = tl.full([KP], 0.0, tl.float32)
+    for bi in range(0, tl.cdiv(nv, 16)):
+        b = tl.cdiv(nv, 16) - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
+        rb = b * 16 + o16
+        vb = rb < nv
+        rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+        m2b = vb[:, None] & km[None, :]
+        offb = rowb[:, None] * K + kc[None, :]
+        db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
+        for j in tl.static_range(NKB):
+            db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
+        carry, ddt, dal = _finish_sub_chunk(
+            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
+            offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
+        )  # fmt: skip
+    poff = (i_c.to(tl.int64) * H + i_h) * K + kc
+    tl.store(ddt_part + poff, ddt * rate, mask=km)
+    tl.store(dalog_part + poff, dal * rate_ok, mask=km)
 
 
 # ============================================================================================ host side
@@ -1375,7 +1376,7 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     kd = _alloc((NT, H, K), bounded, dev, poison)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nkt = triton.cdiv(K, cfg.gate_block_k)
-    _fwd_gate_kernel[(N * H * (nkt + 2),)](
+    _fwd_gate_kernel[(N * H * (nkt + 1),)](
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.gate_block_k, NKT=nkt, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
@@ -1492,13 +1493,12 @@ def _backward(do, dht, saved, layout, meta):
         P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps,
         num_stages=cfg.bwd_intra_num_stages,
     )  # fmt: skip
-    nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
-    _bwd_finish_kernel[(N * H * (nkf + 2),)](
+    _bwd_finish_kernel[(N * H,)](
         q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
         dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.lower_bound,
-        H=H, K=K, KP=KP, BT=BT, BK=cfg.bwd_finish_block_k, NKT=nkf, NKB=nki + nkb, L2NORM=meta.l2norm,
-        BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu, num_warps=cfg.bwd_finish_num_warps, num_stages=cfg.num_stages,
+        H=H, K=K, KP=KP, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
+        num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     del dAq, dAk
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
