@@ -21,8 +21,9 @@ Design decisions
   reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
   two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
   inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
-  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a per-chunk kernel for the reverse cumulative sum
-  of ``dG``, the gate's backward, the L2-norm and the sigmoid backward. No Python loop runs over chunks: chunk
+  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum
+  of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the L2-norm and sigmoid
+  backward (two more per chunk and head). No Python loop runs over chunks: chunk
   and sequence index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -178,11 +179,17 @@ class ChunkKDAConfig:
             and the two below).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
-        bwd_intra_num_warps: warps per program of the backward intra-chunk kernel and of the last,
-            per-chunk kernel (gate, L2-norm and sigmoid backward), which both work on 16-row tiles. 2 is the
-            fastest for the last kernel on an H100 at 2·8192·32·128: 0.68 ms, against 0.82 at 4 and 1.32 at 8.
+        bwd_intra_num_warps: warps per program of the backward intra-chunk kernel (16-row tiles).
         bwd_intra_num_stages: pipelining depth of the backward intra-chunk kernel's loops over the sub-chunks it
             interacts with. On an H100 at 2·8192·32·128 that kernel took 1.88 ms at 3, 1.92 at 2 and 1.91 at 1.
+        bwd_finish_block_k: K tile of the last backward kernel's gate part (reverse cumulative sum of ``dG``
+            and the gate backward, one program per (chunk, head, K tile) on the whole chunk); two more programs
+            per (chunk, head) take the L2-norm backward of ``dq`` and of ``dk`` (with ``dbeta``'s sigmoid
+            backward). As one program per (chunk, head) looping over 16-row sub-chunks, the kernel took
+            0.60 ms at 2·8192·32·128 on an H200 (0.68 on an H100, against 0.82 at 4 warps and 1.32 at 8);
+            split this way, 0.533 against 0.665 ms on an H100 in one process (1.056 against 1.288 at
+            1·32768·32·128), and 96 registers instead of 168.
+        bwd_finish_num_warps: warps per program of that kernel.
         precision: matrix-product precision. ``"auto"``: exact fp32 products when any of q, k, v is fp32; when
             all are 16-bit, bf16 products in the forward state kernel (the bf16 output is rounded anyway),
             split-bf16 products in the backward intra-chunk kernel (below) and tf32 products everywhere else
@@ -227,6 +234,8 @@ class ChunkKDAConfig:
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     bwd_intra_num_stages: int = 3
+    bwd_finish_block_k: int = 32
+    bwd_finish_num_warps: int = 2
     precision: str = "auto"
     recompute: bool = False
     poison: bool = False
@@ -234,7 +243,7 @@ class ChunkKDAConfig:
     def __post_init__(self) -> None:
         for name in (
             "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
-            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
+            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -248,7 +257,7 @@ class ChunkKDAConfig:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
             "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps",
-            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps",
+            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps", "bwd_finish_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -1078,79 +1087,70 @@ def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.
     tl.store(dx + off, _out(g, dx, EMU), mask=m2)
 
 
-@_helper
-def _finish_sub_chunk(
-    q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
-    offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """The last step for one 16-row sub-chunk, given its ``dq``, ``dk``, ``dG`` tiles in dqh / dkh / dGh (each
-    loaded where it is used, which keeps the kernel at 168 registers instead of 246) and its ``dbeta`` rows: the
-    reverse cumulative sum of dG (``carry`` holds the sum of the later sub-chunks), the gate backward
-    (-> dg_raw, and the per-chunk sums for dt_bias and A_log), the L2-norm backward of dq and dk and the sigmoid
-    backward of dbeta. Returns the updated ``(carry, ddt, dal)``."""
-    dG_t = tl.load(dGh + offb, mask=m2b, other=0.0)
-    dg = _revcumsum(dG_t, 0) + carry[None, :]
-    carry += _sum(dG_t, 0)
-    # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
-    z, sig = _gate_sigmoid(tl.load(g_raw + offb, mask=m2b, other=0.0).to(tl.float32), dt, rate)
-    dz = tl.where(m2b & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-    ddt += _sum(dz, 0)
-    dal += _sum(dz * tl.where(dz != 0.0, z, 0.0), 0)  # dz = 0 wherever z is infinite
-    tl.store(dg_raw + offb, _out(dz * rate, dg_raw, EMU), mask=m2b)
-    _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
-    _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
-    if BETA_SIGMOID:
-        sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
-        db = db * sb * (1.0 - sb)
-    tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
-    return carry, ddt, dal
-
-
 @triton.jit
 def _bwd_finish_kernel(
     q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
     dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
     chunk_start, chunk_len, n_tok, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NKB: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    NKT: tl.constexpr, NKB: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """One (chunk, head), sub-chunks last to first: ``_finish_sub_chunk`` on the gradients the WY-K and
-    intra-chunk kernels left in dqh / dkh / dGh and the dbeta parts.
+    """The last step, on the gradients the WY-K and intra-chunk kernels left in dqh / dkh / dGh and the dbeta
+    parts. One (chunk, head, part): parts below ``NKT`` take one K tile of the whole chunk, the reverse
+    cumulative sum of dG and the gate backward (-> dg_raw, and the per-chunk sums for dt_bias and A_log);
+    part ``NKT`` the L2-norm backward of dq and the sigmoid backward of dbeta, part ``NKT + 1`` the L2-norm
+    backward of dk, 16 rows at a time.
 
-    Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel over the whole K,
-    so that they never go through dqh / dkh / dGh, took 4.36 ms against 1.94 + 0.61 ms for the two kernels at
-    2·8192·32·128 on an H200; this kernel fused into the intra-chunk one (one program per (chunk, head) looping
-    over its K tiles and sub-chunks, then over rows it had just written) 3.21 ms against 1.92 + 0.68 on an
-    H100: eight times fewer programs than the intra-chunk kernel has, to hide the same loads' latency."""
-    i_c, i_h, _ = _chunk_program(1, H)
+    Every column is independent except in the L2 norm, so the gate work splits by K tile, as in the forward
+    gate kernel. Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel
+    over the whole K, so that they never go through dqh / dkh / dGh, took 4.36 ms against 1.94 + 0.61 ms for
+    the two kernels at 2·8192·32·128 on an H200; this kernel fused into the intra-chunk one (one program per
+    (chunk, head) looping over its K tiles and sub-chunks, then over rows it had just written) 3.21 ms against
+    1.92 + 0.68 on an H100: eight times fewer programs than the intra-chunk kernel has, to hide the same
+    loads' latency."""
+    i_c, i_h, part = _chunk_program(NKT + 2, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
-    o16 = tl.arange(0, 16)
-    kc = tl.arange(0, KP)
-    km = kc < K
-    rate, rate_ok = _gate_rate(A_log, i_h)
-    dt = tl.load(dt_bias + i_h * K + kc, mask=km, other=0.0).to(tl.float32)
-    carry = tl.full([KP], 0.0, tl.float32)
-    ddt = tl.full([KP], 0.0, tl.float32)
-    dal = tl.full([KP], 0.0, tl.float32)
-    for bi in range(0, tl.cdiv(nv, 16)):
-        b = tl.cdiv(nv, 16) - 1 - bi  # last sub-chunk first: the reverse cumsum carries towards the start
-        rb = b * 16 + o16
-        vb = rb < nv
-        rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
-        m2b = vb[:, None] & km[None, :]
-        offb = rowb[:, None] * K + kc[None, :]
-        db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
-        for j in tl.static_range(NKB):
-            db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
-        carry, ddt, dal = _finish_sub_chunk(
-            q, k, g_raw, beta_raw, rq, rk, dq, dk, dg_raw, dbeta, dqh, dkh, dGh, db,
-            offb, m2b, rowb, vb, dt, rate, lower_bound, carry, ddt, dal, L2NORM, BETA_SIGMOID, EMU,
-        )  # fmt: skip
-    poff = (i_c.to(tl.int64) * H + i_h) * K + kc
-    tl.store(ddt_part + poff, ddt * rate, mask=km)
-    tl.store(dalog_part + poff, dal * rate_ok, mask=km)
+    if part < NKT:
+        r = tl.arange(0, BT)
+        valid = r < nv
+        row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+        c = part * BK + tl.arange(0, BK)
+        cm = c < K
+        m2 = valid[:, None] & cm[None, :]
+        off = row[:, None] * K + c[None, :]
+        dg = _revcumsum(tl.load(dGh + off, mask=m2, other=0.0), 0)
+        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+        rate, rate_ok = _gate_rate(A_log, i_h)
+        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
+        dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+        tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
+        poff = (i_c.to(tl.int64) * H + i_h) * K + c
+        tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
+        # dz = 0 wherever z is infinite
+        tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
+    else:
+        o16 = tl.arange(0, 16)
+        kc = tl.arange(0, KP)
+        km = kc < K
+        for b in range(0, tl.cdiv(nv, 16)):
+            rb = b * 16 + o16
+            vb = rb < nv
+            rowb = (t0 + rb) * H + i_h
+            m2b = vb[:, None] & km[None, :]
+            offb = rowb[:, None] * K + kc[None, :]
+            if part == NKT:
+                _l2norm_bwd(q, rq, dqh, dq, offb, m2b, rowb, vb, L2NORM, EMU)
+                db = tl.load(dbeta_wy + rowb, mask=vb, other=0.0)
+                for j in tl.static_range(NKB):
+                    db += tl.load(dbeta_part + j * n_tok * H + rowb, mask=vb, other=0.0)
+                if BETA_SIGMOID:
+                    sb = 1.0 / (1.0 + tl.exp(-tl.load(beta_raw + rowb, mask=vb, other=0.0).to(tl.float32)))
+                    db = db * sb * (1.0 - sb)
+                tl.store(dbeta + rowb, _out(db, dbeta, EMU), mask=vb)
+            else:
+                _l2norm_bwd(k, rk, dkh, dk, offb, m2b, rowb, vb, L2NORM, EMU)
 
 
 # ============================================================================================ host side
@@ -1493,12 +1493,13 @@ def _backward(do, dht, saved, layout, meta):
         P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps,
         num_stages=cfg.bwd_intra_num_stages,
     )  # fmt: skip
-    _bwd_finish_kernel[(N * H,)](
+    nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
+    _bwd_finish_kernel[(N * H * (nkf + 2),)](
         q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
         dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
         layout.chunk_start, layout.chunk_len, NT, meta.lower_bound,
-        H=H, K=K, KP=KP, NKB=nki + nkb, L2NORM=meta.l2norm, BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu,
-        num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.num_stages,
+        H=H, K=K, KP=KP, BT=BT, BK=cfg.bwd_finish_block_k, NKT=nkf, NKB=nki + nkb, L2NORM=meta.l2norm,
+        BETA_SIGMOID=meta.beta_sigmoid, EMU=meta.emu, num_warps=cfg.bwd_finish_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     del dAq, dAk
     ddt = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)

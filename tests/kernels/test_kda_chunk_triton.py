@@ -177,9 +177,10 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
     [
         dict(
             block_k=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16,
-            state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16,
+            state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16, bwd_finish_block_k=16,
         ),
-        dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32),  # the two backward K tilings differ
+        # the three backward K tilings differ; the gate backward on one tile of the whole K
+        dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128, bwd_finish_num_warps=4),
     ],
 )
 def test_tiles_smaller_than_the_head_dims(tiles):
@@ -335,6 +336,8 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("bwd_state_f16", "no", r"ChunkKDAConfig.bwd_state_f16 must be a bool, got 'no'"),
         ("f16_states", 1, r"ChunkKDAConfig.f16_states must be a bool, got 1"),
         ("poison", "yes", r"ChunkKDAConfig.poison must be a bool, got 'yes'"),
+        ("bwd_finish_block_k", 40, r"ChunkKDAConfig.bwd_finish_block_k must be a power of two >= 16, got 40"),
+        ("bwd_finish_num_warps", 32, r"ChunkKDAConfig.bwd_finish_num_warps must be one of 1, 2, 4, 8, 16, got 32"),
         ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
