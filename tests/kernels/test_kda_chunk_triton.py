@@ -459,6 +459,14 @@ def test_the_benchmarks_error_measure_holds_our_kernels_and_catches_a_wrong_one(
     assert all(e <= TOLERANCE[torch.bfloat16] for e in errors.values()), errors
     wrong = kda_chunk_errors(lambda *x: kda_chunk_raw_reference(*x, lower_bound=-2.0)[0], inputs)
     assert wrong["o"] > 10 * TOLERANCE[torch.bfloat16] and wrong["o (no grad)"] > 10 * TOLERANCE[torch.bfloat16]
+    # the exact function with a bf16 output: the fp32 parameters' gradients must match to fp32 rounding, so the
+    # reference has to receive the same bf16-rounded d o as the implementation (an fp64 one moved dA_log by
+    # up to 5e-3 on its own)
+    exact = kda_chunk_errors(
+        lambda *x: kda_chunk_raw_reference(*(t.double() for t in x), lower_bound=LOWER_BOUND)[0].to(x[2].dtype),
+        inputs,
+    )
+    assert exact["dA_log"] < 1e-5 and exact["ddt_bias"] < 1e-5, exact
 
 
 def test_the_benchmark_checks_ours_and_reports_the_peer_on_the_same_inputs(monkeypatch):
