@@ -116,7 +116,11 @@ class ChunkKDAConfig:
     Triton's resource report (register spills) and per-kernel timings (docs/BENCHMARKS.md).
 
     Fields:
-        block_k: K tile of the forward WY kernel (power of two >= 16).
+        block_k: K tile of the forward WY kernel where its ``T`` operand is bf16 (no backward follows,
+            16-bit inputs). 32 took the forward from 1.891 to 1.860 ms at 2·8192·32·128 on an H100 (3.915 ->
+            3.816 at 1·32768·32·128, 1.851 -> 1.820 at 8·4096·16·128; that kernel 0.480 -> 0.441 ms).
+        block_k_fp32: the same where ``T`` and ``u`` are fp32 (a backward follows, or fp32 inputs): there 32
+            slowed that kernel from 0.567 to 0.592 ms at 2·8192·32·128 on an H100, so it stays at 64.
         intra_block_k: K tile of the forward strip kernel (rows of ``A_qk`` and ``A_kk``): 32 took it from 0.67
             to 0.63 ms at 2·8192·32·128 on an H200 (0.84 ms at 128; docs/BENCHMARKS.md).
         gate_block_k: K tile of the gate kernel: one program per (chunk, head, K tile) computes the gate and
@@ -208,7 +212,8 @@ class ChunkKDAConfig:
         poison: fill every kernel-written buffer with NaN before launching (debugging aid).
     """
 
-    block_k: int = 64
+    block_k: int = 32
+    block_k_fp32: int = 64
     intra_block_k: int = 32
     gate_block_k: int = 32
     block_v: int = 64
@@ -242,7 +247,7 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
+            "block_k", "block_k_fp32", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
             "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
@@ -1390,10 +1395,11 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
             Tkk, Twy, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
             num_warps=cfg.inverse_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    n_tiles = triton.cdiv(K, cfg.block_k) + triton.cdiv(V, cfg.block_v)
+    wy_block_k = cfg.block_k if Twy.dtype == torch.bfloat16 else cfg.block_k_fp32
+    n_tiles = triton.cdiv(K, wy_block_k) + triton.cdiv(V, cfg.block_v)
     _fwd_wy_kernel[(N * H * n_tiles,)](
         q, k, v, beta_raw, G, rq, rk, Twy, w, u, qg, kd, gl, layout.chunk_start, layout.chunk_len, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=cfg.block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
+        H=H, K=K, V=V, BT=BT, BK=wy_block_k, BV=cfg.block_v, BETA_SIGMOID=meta.beta_sigmoid,
         P=p_wy, EMU=meta.emu, **launch,
     )  # fmt: skip
     return G, rq, rk, Aqk, Tkk, w, u, qg, kd, gl

@@ -176,11 +176,11 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
     "tiles",
     [
         dict(
-            block_k=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16,
+            block_k=16, block_k_fp32=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16,
             state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16, bwd_finish_block_k=16,
         ),
         # the three backward K tilings differ; the gate backward on one tile of the whole K
-        dict(block_k=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128, bwd_finish_num_warps=4),
+        dict(block_k=64, block_k_fp32=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128, bwd_finish_num_warps=4),
     ],
 )
 def test_tiles_smaller_than_the_head_dims(tiles):
@@ -193,10 +193,13 @@ def test_tiles_smaller_than_the_head_dims(tiles):
         config=ChunkKDAConfig(poison=True, **tiles),
     )  # fmt: skip
     ro, rht = _reference(ref_in, output_final_state=True)
+    with torch.no_grad():  # the inference path, with its own WY tiling (block_k)
+        o_lean, _ = chunk_kda(*inputs[:7], initial_state=inputs[7], lower_bound=LOWER_BOUND,
+                              config=ChunkKDAConfig(poison=True, **tiles))
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     ((o.double() * do).sum() + ht.double().sum()).backward()
     ((ro * do).sum() + rht.sum()).backward()
-    pairs = {"o": (o, ro), "final_state": (ht, rht)}
+    pairs = {"o": (o, ro), "o (no grad)": (o_lean, ro), "final_state": (ht, rht)}
     pairs.update({"d" + n: (a.grad, r.grad) for n, a, r in zip(GRAD_NAMES, ours_in, ref_in, strict=True)})
     _assert_all(pairs, torch.bfloat16)
 
@@ -322,6 +325,7 @@ def test_cu_seqlens_needs_a_packed_batch():
     ("field", "value", "message"),
     [
         ("block_k", 24, r"ChunkKDAConfig.block_k must be a power of two >= 16, got 24"),
+        ("block_k_fp32", 8, r"ChunkKDAConfig.block_k_fp32 must be a power of two >= 16, got 8"),
         ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
         ("bwd_intra_block_k", 48, r"ChunkKDAConfig.bwd_intra_block_k must be a power of two >= 16, got 48"),
         ("bwd_intra_num_warps", 6, r"ChunkKDAConfig.bwd_intra_num_warps must be one of 1, 2, 4, 8, 16, got 6"),
