@@ -18,8 +18,8 @@ import kda_stages  # noqa: E402
 
 
 def test_config_text_becomes_a_chunk_config():
-    cfg = kda_stages.parse_config("num_warps=8, block_k=32,precision=bf16,poison=true")
-    assert (cfg.num_warps, cfg.block_k, cfg.precision, cfg.poison) == (8, 32, "bf16", True)
+    cfg = kda_stages.parse_config("num_warps=8, block_k=64,precision=bf16,poison=true")
+    assert (cfg.num_warps, cfg.block_k, cfg.precision, cfg.poison) == (8, 64, "bf16", True)
     assert kda_stages.parse_config("").num_warps == 4  # the defaults
 
 
@@ -74,12 +74,13 @@ def test_a_bad_revision_is_refused_with_its_name(rev, message):
 
 def test_an_edited_copy_of_the_kernels_loads_beside_the_installed_ones(tmp_path):
     variant = tmp_path / "chunk_variant.py"
-    variant.write_text((ROOT / "kernels/kda/chunk.py").read_text().replace("    block_k: int = 64\n", "    block_k: int = 32\n"))
+    source = (ROOT / "kernels/kda/chunk.py").read_text()
+    variant.write_text(source.replace("    block_k_fp32: int = 64\n", "    block_k_fp32: int = 32\n"))
     module = kda_stages.load_source(str(variant))
     from k3.kernels.kda import chunk
 
     assert module is not chunk and module.__name__ == "kda_chunk_from_chunk_variant"
-    assert module.ChunkKDAConfig().block_k == 32 and chunk.ChunkKDAConfig().block_k == 64
+    assert module.ChunkKDAConfig().block_k_fp32 == 32 and chunk.ChunkKDAConfig().block_k_fp32 == 64
 
 
 def test_a_bad_source_is_refused_with_the_reason(tmp_path):
