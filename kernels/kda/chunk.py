@@ -247,8 +247,9 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "block_k_fp32", "intra_block_k", "gate_block_k", "block_v", "state_block_v", "state_block_v_fp32",
-            "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
+            "block_k", "block_k_fp32", "intra_block_k", "gate_block_k", "block_v", "state_block_v",
+            "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
+            "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):

@@ -176,11 +176,15 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
     "tiles",
     [
         dict(
-            block_k=16, block_k_fp32=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16, bwd_intra_block_k=16,
-            state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16, bwd_finish_block_k=16,
+            block_k=16, block_k_fp32=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16,
+            bwd_intra_block_k=16, state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16,
+            bwd_finish_block_k=16,
         ),
         # the three backward K tilings differ; the gate backward on one tile of the whole K
-        dict(block_k=64, block_k_fp32=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128, bwd_finish_num_warps=4),
+        dict(
+            block_k=64, block_k_fp32=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128,
+            bwd_finish_num_warps=4,
+        ),
     ],
 )
 def test_tiles_smaller_than_the_head_dims(tiles):
