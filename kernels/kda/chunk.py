@@ -139,8 +139,8 @@ class ChunkKDAConfig:
             fp32 state in registers (power of two >= 16) and writes the output of every chunk. At 8 warps one
             program fills an SM (registers), so the widest tile that still gives half the SMs a program wins: 128
             took the kernel from 0.505 to 0.339 ms at 8·4096·16·128 on an H200 (128 programs in one wave instead
-            of 256 in two); at 2·8192·32·128 the rule in ``_state_launch`` halves it to 64 (0.37 ms, where 32 at
-            4 warps took 0.65; docs/BENCHMARKS.md).
+            of 256 in two); at 2·8192·32·128 the rule in ``_state_launch`` halves it to 64 and runs it on 4
+            warps (0.30-0.33 ms; 0.37 at 8 warps, and 32-wide tiles at 4 warps took 0.65; docs/BENCHMARKS.md).
         state_num_warps: warps per program of that kernel.
         state_num_stages: pipelining depth of that kernel's loop over chunks.
         state_num_stages_few_programs: the same when the kernel has fewer programs than the GPU has SMs (a few
@@ -178,7 +178,11 @@ class ChunkKDAConfig:
         bwd_wy_k_num_warps: warps per program of that kernel. Its three ``[BT, bwd_block_k]`` fp32
             accumulators stay live across the V loop; at 8 warps and 128-wide tiles it holds them with a
             small spill (208 bytes per thread in the sm_90 compile); at 4 warps it spills 4.6 KB.
-        bwd_block_v: V tile of the backward chunk-parallel kernels.
+        bwd_block_v: V tile of the backward chunk-parallel kernels' loops over V (``dA_qk``, WY-V); not
+            WY-K's. 32 -> 64 on an H200 at 2·8192·32·128: ``dA_qk`` 0.176 -> 0.136 ms, WY-V 0.398 -> 0.358.
+        bwd_wy_k_block_v: V tile of the WY-K kernel's loop over V. It stays at 32: that kernel slows at 64
+            (1.587 -> 1.590 ms at 2·8192·32·128, 3.13 -> 3.17 at 1·32768·32·128 on an H200; 1.94 -> 2.19
+            on an older form of it).
         bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the WY-K one above
             and the two below).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
@@ -233,7 +237,8 @@ class ChunkKDAConfig:
     bwd_state_f16: bool = True
     f16_states: bool = True
     bwd_block_k: int = 128
-    bwd_block_v: int = 32
+    bwd_block_v: int = 64
+    bwd_wy_k_block_v: int = 32
     bwd_num_warps: int = 4
     bwd_wy_k_num_warps: int = 8
     bwd_intra_block_k: int = 64
@@ -248,8 +253,8 @@ class ChunkKDAConfig:
     def __post_init__(self) -> None:
         for name in (
             "block_k", "block_k_fp32", "intra_block_k", "gate_block_k", "block_v", "state_block_v",
-            "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_intra_block_k",
-            "bwd_finish_block_k",
+            "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
+            "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -1218,18 +1223,20 @@ def _sm_count(device: torch.device) -> int:
 
 def _state_launch(block_v: int, num_warps: int, pairs: int, V: int, device: torch.device) -> tuple[int, int]:
     """(V tile, warps) of a state kernel: ``block_v``, halved (down to 16) while fewer than half the SMs would
-    get a program, and at most 4 warps on tiles 32 wide or narrower.
+    get a program, and at most 4 warps on tiles 64 wide or narrower.
 
     The state kernels run one program per (sequence, head, V tile) and loop over chunks, so with few long
     sequences the V tiles are the only parallelism (at 32 (sequence, head) pairs on an H200, 32-wide tiles made
     forward + backward 7 % faster than 64-wide ones; at 64 pairs 64-wide tiles were faster). On 32-wide tiles
-    4 warps beat 8 (one sequence of 32768 tokens, 32 heads: forward + backward 25.79 -> 25.27 ms). On 16-wide
+    4 warps beat 8 (one sequence of 32768 tokens, 32 heads: forward + backward 25.79 -> 25.27 ms), and on
+    64-wide tiles too (the bf16 forward state kernel at 2·8192·32·128 on an H200: 0.37 -> 0.30-0.33 ms; at
+    128-wide tiles 8 warps stay faster: 0.338 against 0.363 ms at 8·4096·16·128). On 16-wide
     tiles the cap is also a workaround: Triton 3.6 builds tf32 products on ``[*, 16]`` tiles at 8 warps into
     code that makes an illegal memory access on an H200 (both state kernels, one sequence of 128 or 160 tokens
     and two heads); the same launches at 4 warps, or with exact fp32 products, run correctly."""
     while block_v > 16 and 2 * pairs * triton.cdiv(V, block_v) < _sm_count(device):
         block_v //= 2
-    return block_v, (min(num_warps, 4) if block_v <= 32 else num_warps)
+    return block_v, (min(num_warps, 4) if block_v <= 64 else num_warps)
 
 
 def _forward_state_stages(cfg: ChunkKDAConfig, fp32: bool, programs: int, device: torch.device) -> int:
@@ -1475,7 +1482,7 @@ def _backward(do, dht, saved, layout, meta):
         q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit if h_unit is not None else G, dh,
         dh_unit if dh16 else G, do, dqh, dkh, dGh, dAk_part, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_block_v, NK=nkb, SLOT0=nki,
+        H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_wy_k_block_v, NK=nkb, SLOT0=nki,
         H16=h_unit is not None, DH16=dh16, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -177,8 +177,8 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
     [
         dict(
             block_k=16, block_k_fp32=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16,
-            bwd_intra_block_k=16, state_block_v=16, state_block_v_fp32=16, bwd_state_block_v=16,
-            bwd_finish_block_k=16,
+            bwd_wy_k_block_v=16, bwd_intra_block_k=16, state_block_v=16, state_block_v_fp32=16,
+            bwd_state_block_v=16, bwd_finish_block_k=16,
         ),
         # the three backward K tilings differ; the gate backward on one tile of the whole K
         dict(
@@ -332,6 +332,7 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("block_k_fp32", 8, r"ChunkKDAConfig.block_k_fp32 must be a power of two >= 16, got 8"),
         ("state_block_v", 8, r"ChunkKDAConfig.state_block_v must be a power of two >= 16, got 8"),
         ("bwd_intra_block_k", 48, r"ChunkKDAConfig.bwd_intra_block_k must be a power of two >= 16, got 48"),
+        ("bwd_wy_k_block_v", 96, r"ChunkKDAConfig.bwd_wy_k_block_v must be a power of two >= 16, got 96"),
         ("bwd_intra_num_warps", 6, r"ChunkKDAConfig.bwd_intra_num_warps must be one of 1, 2, 4, 8, 16, got 6"),
         ("num_warps", 3, r"ChunkKDAConfig.num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("bwd_wy_k_num_warps", 12, r"ChunkKDAConfig.bwd_wy_k_num_warps must be one of 1, 2, 4, 8, 16, got 12"),
@@ -357,18 +358,20 @@ def test_config_fields_are_validated(field, value, message):
 
 def test_state_tiles_narrow_when_few_sequences_would_leave_sms_idle(monkeypatch):
     # One program per (sequence, head, V tile): the widest tile when that fills at least half of 132 SMs,
-    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count). Tiles of 32 or less get at most 4
-    # warps (faster at 32; at 16, Triton 3.6's tf32 products at 8 warps made illegal memory accesses on an H200).
+    # halved (down to 16) otherwise; no narrowing off the GPU (no SM count). Tiles of 64 or less get at most 4
+    # warps (faster at 32 and 64; at 16, Triton 3.6's tf32 products at 8 warps made illegal memory accesses on
+    # an H200); 128-wide tiles keep the warps asked for.
     import k3.kernels.kda.chunk as chunk_module
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 132)
-    assert chunk_module._state_launch(64, 8, 64, 128, cpu) == (64, 8)  # 2 x 32 heads: 128 programs
+    assert chunk_module._state_launch(128, 8, 128, 128, cpu) == (128, 8)  # 8 x 16 heads: 128 programs
+    assert chunk_module._state_launch(128, 8, 64, 128, cpu) == (64, 4)  # 2 x 32 heads: 64 -> 128 programs
     assert chunk_module._state_launch(64, 8, 32, 128, cpu) == (32, 4)  # 1 x 32 heads: 64 -> 128 programs
     assert chunk_module._state_launch(64, 8, 2, 128, cpu) == (16, 4)
     assert chunk_module._state_launch(16, 2, 1, 128, cpu) == (16, 2)
     monkeypatch.setattr(chunk_module, "_sm_count", lambda device: 0)
-    assert chunk_module._state_launch(64, 8, 1, 128, cpu) == (64, 8)
+    assert chunk_module._state_launch(128, 8, 1, 128, cpu) == (128, 8)
 
 
 def test_inference_state_kernel_pipelines_deeper_when_programs_are_fewer_than_sms(monkeypatch):
