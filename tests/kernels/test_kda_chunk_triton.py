@@ -192,14 +192,13 @@ def test_tiles_smaller_than_the_head_dims(tiles):
     gen = fresh_generator()
     inputs = _inputs(gen, 1, 70, 1, torch.bfloat16)
     ours_in, ref_in = _leaves(inputs), _leaves(inputs, torch.float64)
+    config = ChunkKDAConfig(poison=True, **tiles)
     o, ht = chunk_kda(
-        *ours_in[:7], initial_state=ours_in[7], output_final_state=True, lower_bound=LOWER_BOUND,
-        config=ChunkKDAConfig(poison=True, **tiles),
-    )  # fmt: skip
+        *ours_in[:7], initial_state=ours_in[7], output_final_state=True, lower_bound=LOWER_BOUND, config=config
+    )
     ro, rht = _reference(ref_in, output_final_state=True)
     with torch.no_grad():  # the inference path, with its own WY tiling (block_k)
-        o_lean, _ = chunk_kda(*inputs[:7], initial_state=inputs[7], lower_bound=LOWER_BOUND,
-                              config=ChunkKDAConfig(poison=True, **tiles))
+        o_lean, _ = chunk_kda(*inputs[:7], initial_state=inputs[7], lower_bound=LOWER_BOUND, config=config)
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     ((o.double() * do).sum() + ht.double().sum()).backward()
     ((ro * do).sum() + rht.sum()).backward()
