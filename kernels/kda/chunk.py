@@ -48,6 +48,14 @@ Design decisions
   (A is nilpotent) in exact fp32. The next kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
   the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
   block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
+* Blocks solve (``ChunkKDAConfig.intra_solve="blocks"``, not the default). The same products cut into 16 x 16
+  blocks: a diagonal kernel, one program per (chunk, head, sub-chunk ``b``), forms ``A[b, b]`` and ``D_b``
+  with the sub-chunk's first row as the reference of its rows and its columns; a solve kernel, one program
+  per (chunk, head), forms every block below the diagonal in one loop over K tiles with each sub-chunk
+  factored against its own first row -- rows ``q exp(G - G_ref_b)`` (<= 1), columns ``k exp(G_ref_c - G)``
+  (<= exp(15 |lower_bound|)), joined by ``exp(G_ref_b - G_ref_c)`` per K column (<= 1) -- so a sub-chunk's
+  exponentials are taken once per K tile instead of once per strip, then ``T`` by block forward
+  substitution in registers: no zero block is multiplied and ``X`` never goes through memory.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
   (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state kernel (its
   result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in most of the backward, and
@@ -108,6 +116,7 @@ _MAX_HEAD_DIM = 256  # the state kernels keep a whole [K, block_v] state tile in
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_SIZES = (16, 32, 64)
 _PRECISIONS = ("auto", "bf16", "tf32", "split", "ieee")
+_INTRA_SOLVES = ("strips", "blocks")
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,16 @@ class ChunkKDAConfig:
         inverse_num_warps: warps per program of the forward inverse kernel (``T`` from the strips' output,
             four ``[BT, BT]`` products): 2 took it from 0.164 to 0.140 ms at 2·8192·32·128 on an H200, where
             the other forward kernels were fastest at 4 (docs/BENCHMARKS.md).
+        intra_solve: how the forward forms ``A_qk`` and ``T = (I + A_kk)^-1``. ``"strips"`` (default): one
+            program per 16-row strip, then the inverse kernel. ``"blocks"``: a kernel per 16-row sub-chunk for the
+            diagonal blocks and their inverses, and one program per (chunk, head) for every block below the
+            diagonal and ``T`` (see the module notes). On an H100 the two were level at 8·4096·16·128 and
+            2·8192·32·128 (forward 1.822 / 1.834 ms against 1.822 / 1.832) and blocks 1.4 % faster at
+            1·32768·32·128 (3.812 against 3.865 ms); the H200 and the backward are not timed yet
+            (docs/BENCHMARKS.md, nineteenth pass).
+        diag_num_warps: warps per program of the blocks solve's diagonal kernel (16-row tiles).
+        solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
+            chunks: 255 registers and 16 bytes of spill at 2 warps in the sm_90 compile).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
@@ -223,6 +242,9 @@ class ChunkKDAConfig:
     block_v: int = 64
     num_warps: int = 4
     inverse_num_warps: int = 2
+    intra_solve: str = "strips"
+    diag_num_warps: int = 1
+    solve_num_warps: int = 2
     num_stages: int = 2
     state_block_v: int = 128
     state_num_warps: int = 8
@@ -267,8 +289,9 @@ class ChunkKDAConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4:
                 raise ValueError(f"ChunkKDAConfig.{name} must be an int from 1 to 4, got {value!r}")
         for name in (
-            "num_warps", "inverse_num_warps", "state_num_warps", "state_num_warps_fp32", "bwd_state_num_warps",
-            "bwd_num_warps", "bwd_wy_k_num_warps", "bwd_intra_num_warps", "bwd_finish_num_warps",
+            "num_warps", "inverse_num_warps", "diag_num_warps", "solve_num_warps", "state_num_warps",
+            "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps", "bwd_wy_k_num_warps",
+            "bwd_intra_num_warps", "bwd_finish_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -276,6 +299,8 @@ class ChunkKDAConfig:
         for name in ("bwd_state_f16", "f16_states", "recompute", "poison"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.intra_solve not in _INTRA_SOLVES:
+            raise ValueError(f"ChunkKDAConfig.intra_solve must be one of {_INTRA_SOLVES}, got {self.intra_solve!r}")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"ChunkKDAConfig.precision must be one of {_PRECISIONS}, got {self.precision!r}")
 
@@ -608,6 +633,177 @@ def _fwd_inverse_kernel(
     Tm = _dot(Y - _dot(M, Y, P, EMU), D, P, EMU)
     tl.debug_barrier()  # every thread has read its part of X (Tout may be Akk)
     tl.store(Tout + offT, _out(Tm, Tout, EMU), mask=valid[:, None])
+
+
+@_helper
+def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Rows of sub-chunk ``s`` on the K columns ``c`` against its first row ``r``: ``(q exp(G - G_r),
+    k exp(G - G_r), G_r)``, factors <= 1, the norms applied, zero outside the sequence."""
+    rs = s * 16 + tl.arange(0, 16)
+    vs = rs < nv
+    rows = (t0 + rs) * H + i_h
+    m2 = vs[:, None] & cm[None, :]
+    off = rows[:, None] * K + c[None, :]
+    Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+    er = tl.exp(tl.where(m2, tl.load(G + off, mask=m2, other=0.0) - Gr[None, :], float("-inf")))
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * er)
+    qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rq + rows, mask=vs, other=0.0)[:, None] * er)
+    return qf, kf, Gr
+
+
+@_helper
+def _sub_columns(k, G, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Columns of sub-chunk ``s`` against its first row ``r``: ``(k exp(G_r - G))^T``, factors <= exp(15
+    |lower_bound|), ready as the right operand of a product."""
+    rs = s * 16 + tl.arange(0, 16)
+    vs = rs < nv
+    rows = (t0 + rs) * H + i_h
+    m2 = vs[:, None] & cm[None, :]
+    off = rows[:, None] * K + c[None, :]
+    Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
+    ec = tl.exp(tl.where(m2, Gr[None, :] - tl.load(G + off, mask=m2, other=0.0), float("-inf")))
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * ec)
+    return tl.trans(kf)
+
+
+@_helper
+def _block_pair(qs, ks, kct, Gr_row, Gr_col, aq, ak, P: tl.constexpr, EMU: tl.constexpr):
+    """Adds one K tile's part of ``A_qk[b, c]`` and ``A_kk[b, c]`` (c < b) to ``aq``, ``ak``: the rows of sub-chunk
+    ``b`` and the columns of sub-chunk ``c``, each factored against its own first row, meet through
+    ``exp(G_ref_b - G_ref_c)`` (<= 1, one factor per K column)."""
+    dec = tl.exp(Gr_row - Gr_col)[None, :]
+    return aq + _dot(qs * dec, kct, P, EMU), ak + _dot(ks * dec, kct, P, EMU)
+
+
+@_helper
+def _store_block(ptr, x, t0, nv, i_h, b, c, H: tl.constexpr, BT: tl.constexpr, EMU: tl.constexpr):
+    """Block ``(b, c)`` (16 x 16) of a ``[tokens, H, BT]`` chunk matrix; rows outside the sequence left alone."""
+    o = tl.arange(0, 16)
+    rs = b * 16 + o
+    tl.store(ptr + ((t0 + rs) * H + i_h)[:, None] * BT + (c * 16 + o)[None, :], _out(x, ptr, EMU),
+             mask=(rs < nv)[:, None])
+
+
+@_helper
+def _load_diag_inverse(Dinv, t0, nv, i_h, b, H: tl.constexpr):
+    o = tl.arange(0, 16)
+    rs = b * 16 + o
+    return tl.load(Dinv + ((t0 + rs) * H + i_h)[:, None] * 16 + o[None, :], mask=(rs < nv)[:, None], other=0.0)
+
+
+@triton.jit
+def _fwd_diag_kernel(
+    q, k, beta_raw, G, rq, rk, Aqk, Dinv,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, sub-chunk b): row ``b`` of ``A_qk`` from its diagonal block on (zeros right of it),
+    and ``D_b = (I + A_kk[b, b])^-1`` to ``Dinv`` (``[tokens, H, 16]``). Rows and columns share one reference,
+    the sub-chunk's first row."""
+    i_c, i_h, b = _chunk_program(BT // 16, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    o = tl.arange(0, 16)
+    rs = b * 16 + o
+    vs = rs < nv
+    aq = tl.full([16, 16], 0.0, tl.float32)
+    ak = tl.full([16, 16], 0.0, tl.float32)
+    for kk in range(0, K, BK):
+        c = kk + tl.arange(0, BK)
+        cm = c < K
+        qs, ks, Gb = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, b, c, cm, H=H, K=K)
+        kct = _sub_columns(k, G, rk, t0, nv, i_h, b, c, cm, H=H, K=K)
+        aq += _dot(qs, kct, P, EMU)
+        ak += _dot(ks, kct, P, EMU)
+    rows = (t0 + rs) * H + i_h
+    beta = _load_beta(beta_raw, rows, vs, BETA_SIGMOID)
+    r = tl.arange(0, BT)
+    # the block placed at columns b*16.. of the row (Triton cannot index a tile): an exact selection product
+    pick = (b * 16 + o[None, :] == r[:, None]).to(tl.float32)
+    a_q = tl.where(o[None, :] <= o[:, None], aq * scale, 0.0)
+    row_q = tl.dot(a_q, tl.trans(pick), input_precision="ieee")
+    tl.store(Aqk + rows[:, None] * BT + r[None, :], _out(row_q, Aqk, EMU), mask=vs[:, None] & (r >= b * 16)[None, :])
+    a_k = tl.where(vs[:, None] & (o[None, :] < o[:, None]), ak * beta[:, None], 0.0)
+    tl.store(Dinv + rows[:, None] * 16 + o[None, :], _unit_lower_inverse16(a_k), mask=vs[:, None])
+
+
+@triton.jit
+def _fwd_solve_kernel(
+    q, k, beta_raw, G, rq, rk, Aqk, Dinv, Tout,
+    chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head): the blocks below the diagonal of ``A_qk`` and ``A_kk``, all in one loop over K tiles,
+    then ``T = (I + A_kk)^-1`` by block forward substitution from the diagonal inverses ``D_b``:
+    ``T[b, b] = D_b``, ``T[b, c] = -D_b sum_{c <= m < b} A_kk[b, m] T[m, c]``. ``A_kk`` never leaves the
+    program, and the zero blocks above the diagonal are written, never computed."""
+    NC: tl.constexpr = BT // 16
+    i_c, i_h, _ = _chunk_program(1, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    z = tl.full([16, 16], 0.0, tl.float32)
+    aq10, ak10, aq20, ak20, aq21, ak21 = z, z, z, z, z, z
+    aq30, ak30, aq31, ak31, aq32, ak32 = z, z, z, z, z, z
+    if NC >= 2:
+        for kk in range(0, K, BK):
+            c = kk + tl.arange(0, BK)
+            cm = c < K
+            # sub-chunk 0's reference is the chunk's first row, always inside the sequence
+            G0 = tl.load(G + (t0 * H + i_h) * K + c, mask=cm, other=0.0)
+            kc0 = _sub_columns(k, G, rk, t0, nv, i_h, 0, c, cm, H=H, K=K)
+            qs, ks, G1 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
+            aq10, ak10 = _block_pair(qs, ks, kc0, G1, G0, aq10, ak10, P=P, EMU=EMU)
+            if NC >= 4:
+                kc1 = _sub_columns(k, G, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
+                qs, ks, G2 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
+                aq20, ak20 = _block_pair(qs, ks, kc0, G2, G0, aq20, ak20, P=P, EMU=EMU)
+                aq21, ak21 = _block_pair(qs, ks, kc1, G2, G1, aq21, ak21, P=P, EMU=EMU)
+                kc2 = _sub_columns(k, G, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
+                qs, ks, G3 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 3, c, cm, H=H, K=K)
+                aq30, ak30 = _block_pair(qs, ks, kc0, G3, G0, aq30, ak30, P=P, EMU=EMU)
+                aq31, ak31 = _block_pair(qs, ks, kc1, G3, G1, aq31, ak31, P=P, EMU=EMU)
+                aq32, ak32 = _block_pair(qs, ks, kc2, G3, G2, aq32, ak32, P=P, EMU=EMU)
+    for rb in tl.static_range(NC):
+        for cb in tl.static_range(rb + 1, NC):
+            _store_block(Tout, z, t0, nv, i_h, rb, cb, H=H, BT=BT, EMU=EMU)
+    D0 = _load_diag_inverse(Dinv, t0, nv, i_h, 0, H=H)
+    _store_block(Tout, D0, t0, nv, i_h, 0, 0, H=H, BT=BT, EMU=EMU)
+    if NC >= 2:
+        o = tl.arange(0, 16)
+        beta = _load_beta(beta_raw, (t0 + 16 + o) * H + i_h, 16 + o < nv, BETA_SIGMOID)[:, None]
+        _store_block(Aqk, aq10 * scale, t0, nv, i_h, 1, 0, H=H, BT=BT, EMU=EMU)
+        D1 = _load_diag_inverse(Dinv, t0, nv, i_h, 1, H=H)
+        T10 = -_dot(D1, _dot(ak10 * beta, D0, P, EMU), P, EMU)
+        _store_block(Tout, D1, t0, nv, i_h, 1, 1, H=H, BT=BT, EMU=EMU)
+        _store_block(Tout, T10, t0, nv, i_h, 1, 0, H=H, BT=BT, EMU=EMU)
+        if NC >= 4:
+            beta = _load_beta(beta_raw, (t0 + 32 + o) * H + i_h, 32 + o < nv, BETA_SIGMOID)[:, None]
+            _store_block(Aqk, aq20 * scale, t0, nv, i_h, 2, 0, H=H, BT=BT, EMU=EMU)
+            _store_block(Aqk, aq21 * scale, t0, nv, i_h, 2, 1, H=H, BT=BT, EMU=EMU)
+            D2 = _load_diag_inverse(Dinv, t0, nv, i_h, 2, H=H)
+            A21 = ak21 * beta
+            T21 = -_dot(D2, _dot(A21, D1, P, EMU), P, EMU)
+            T20 = -_dot(D2, _dot(ak20 * beta, D0, P, EMU) + _dot(A21, T10, P, EMU), P, EMU)
+            _store_block(Tout, D2, t0, nv, i_h, 2, 2, H=H, BT=BT, EMU=EMU)
+            _store_block(Tout, T21, t0, nv, i_h, 2, 1, H=H, BT=BT, EMU=EMU)
+            _store_block(Tout, T20, t0, nv, i_h, 2, 0, H=H, BT=BT, EMU=EMU)
+            beta = _load_beta(beta_raw, (t0 + 48 + o) * H + i_h, 48 + o < nv, BETA_SIGMOID)[:, None]
+            _store_block(Aqk, aq30 * scale, t0, nv, i_h, 3, 0, H=H, BT=BT, EMU=EMU)
+            _store_block(Aqk, aq31 * scale, t0, nv, i_h, 3, 1, H=H, BT=BT, EMU=EMU)
+            _store_block(Aqk, aq32 * scale, t0, nv, i_h, 3, 2, H=H, BT=BT, EMU=EMU)
+            D3 = _load_diag_inverse(Dinv, t0, nv, i_h, 3, H=H)
+            A31 = ak31 * beta
+            A32 = ak32 * beta
+            T32 = -_dot(D3, _dot(A32, D2, P, EMU), P, EMU)
+            T31 = -_dot(D3, _dot(A31, D1, P, EMU) + _dot(A32, T21, P, EMU), P, EMU)
+            T30 = _dot(ak30 * beta, D0, P, EMU) + _dot(A31, T10, P, EMU) + _dot(A32, T20, P, EMU)
+            T30 = -_dot(D3, T30, P, EMU)
+            _store_block(Tout, D3, t0, nv, i_h, 3, 3, H=H, BT=BT, EMU=EMU)
+            _store_block(Tout, T32, t0, nv, i_h, 3, 2, H=H, BT=BT, EMU=EMU)
+            _store_block(Tout, T31, t0, nv, i_h, 3, 1, H=H, BT=BT, EMU=EMU)
+            _store_block(Tout, T30, t0, nv, i_h, 3, 0, H=H, BT=BT, EMU=EMU)
 
 
 @triton.jit
@@ -1379,9 +1575,11 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
     rq = _alloc((NT, H), f32, dev, poison)
     rk = _alloc((NT, H), f32, dev, poison)
     Aqk = _alloc((NT, H, BT), bounded, dev, poison)
-    Tkk = _alloc((NT, H, BT), f32, dev, poison)  # the strips' output X; T is written over it with a backward
-    # without a backward, T is only the bf16 operand of the WY products: a bf16 copy of its own
-    Twy = _alloc((NT, H, BT), half, dev, poison) if meta.lean and BT > _SUB else Tkk
+    # T is fp32 when a backward follows; without one it is only the bf16 operand of the WY products, and the
+    # strips then write their output X (which the inverse kernel turns into T) to an fp32 buffer of its own
+    lean_T = meta.lean and BT > _SUB
+    Twy = _alloc((NT, H, BT), half if lean_T else f32, dev, poison)
+    Tkk = _alloc((NT, H, BT), f32, dev, poison) if lean_T and cfg.intra_solve == "strips" else Twy
     p_wy = meta.prec_fwd if meta.lean else meta.prec_intra
     w = _alloc((NT, H, K), bounded, dev, poison)
     u = _alloc((NT, H, V), inter, dev, poison)
@@ -1393,16 +1591,29 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
         q, k, g_raw, A_log, dt_bias, G, gl, rq, rk, layout.chunk_start, layout.chunk_len, meta.lower_bound,
         H=H, K=K, BT=BT, BK=cfg.gate_block_k, NKT=nkt, L2NORM=meta.l2norm, **launch,
     )  # fmt: skip
-    _fwd_intra_kernel[(N * H * (BT // _SUB),)](
-        q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
-        **launch,
-    )  # fmt: skip
-    if BT > _SUB:
-        _fwd_inverse_kernel[(N * H,)](
-            Tkk, Twy, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
-            num_warps=cfg.inverse_num_warps, num_stages=cfg.num_stages,
+    if cfg.intra_solve == "blocks":
+        Dinv = _alloc((NT, H, _SUB), f32, dev, poison)  # the inverted diagonal blocks D_b
+        _fwd_diag_kernel[(N * H * (BT // _SUB),)](
+            q, k, beta_raw, G, rq, rk, Aqk, Dinv, layout.chunk_start, layout.chunk_len, meta.scale,
+            H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
+            EMU=meta.emu, num_warps=cfg.diag_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        _fwd_solve_kernel[(N * H,)](
+            q, k, beta_raw, G, rq, rk, Aqk, Dinv, Twy, layout.chunk_start, layout.chunk_len, meta.scale,
+            H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
+            EMU=meta.emu, num_warps=cfg.solve_num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _fwd_intra_kernel[(N * H * (BT // _SUB),)](
+            q, k, beta_raw, G, rq, rk, Aqk, Tkk, layout.chunk_start, layout.chunk_len, meta.scale,
+            H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra, EMU=meta.emu,
+            **launch,
+        )  # fmt: skip
+        if BT > _SUB:
+            _fwd_inverse_kernel[(N * H,)](
+                Tkk, Twy, layout.chunk_start, layout.chunk_len, H=H, BT=BT, P=meta.prec_intra, EMU=meta.emu,
+                num_warps=cfg.inverse_num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
     wy_block_k = cfg.block_k if Twy.dtype == torch.bfloat16 else cfg.block_k_fp32
     n_tiles = triton.cdiv(K, wy_block_k) + triton.cdiv(V, cfg.block_v)
     _fwd_wy_kernel[(N * H * n_tiles,)](

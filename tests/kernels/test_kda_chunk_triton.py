@@ -116,6 +116,27 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
+@pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 32),
+                                                (torch.bfloat16, 16)])
+def test_blocks_solve_matches_the_reference(dtype, chunk_size):
+    # intra_solve="blocks": four, two and one sub-chunks per chunk, packed sequences with tails and one shorter
+    # than a chunk, states in and out, training and inference (where T is written in bf16). The gates are
+    # shifted to decay slowly, so that the blocks far below the diagonal of A_kk and T carry weight.
+    gen = fresh_generator()
+    cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
+    inputs = _inputs(gen, 1, 130, 3, dtype)
+    inputs[3] = inputs[3] - 6.0
+    config = ChunkKDAConfig(poison=True, intra_solve="blocks")
+    pairs = _run_both(inputs, dtype, cu_seqlens=cu, config=config, chunk_size=chunk_size)
+    with torch.no_grad():
+        o_lean, _ = chunk_kda(
+            *inputs[:7], initial_state=inputs[7], cu_seqlens=cu, chunk_size=chunk_size, lower_bound=LOWER_BOUND,
+            config=config,
+        )  # fmt: skip
+    pairs["o (no grad)"] = (o_lean, pairs["o"][1])
+    _assert_all(pairs, dtype)
+
+
 @pytest.mark.parametrize("fields", [dict(bwd_state_f16=False), dict(f16_states=False)])
 def test_backward_without_fp16_products_or_fp16_states(fields):
     # bf16 inputs take fp16 products in the backward state kernel and keep the backward's states and state
@@ -347,6 +368,8 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("bwd_finish_block_k", 40, r"ChunkKDAConfig.bwd_finish_block_k must be a power of two >= 16, got 40"),
         ("bwd_finish_num_warps", 32, r"ChunkKDAConfig.bwd_finish_num_warps must be one of 1, 2, 4, 8, 16, got 32"),
         ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
+        ("solve_num_warps", 3, r"ChunkKDAConfig.solve_num_warps must be one of 1, 2, 4, 8, 16, got 3"),
+        ("intra_solve", "rows", r"ChunkKDAConfig.intra_solve must be one of \('strips', 'blocks'\), got 'rows'"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
 )
