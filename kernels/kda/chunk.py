@@ -686,6 +686,8 @@ def _store_block(ptr, x, t0, nv, i_h, b, c, H: tl.constexpr, BT: tl.constexpr, E
 
 @_helper
 def _load_diag_inverse(Dinv, t0, nv, i_h, b, H: tl.constexpr):
+    """``D_b`` of sub-chunk ``b`` from the diagonal kernel's ``[tokens, H, 16]`` output (zero rows outside the
+    sequence)."""
     o = tl.arange(0, 16)
     rs = b * 16 + o
     return tl.load(Dinv + ((t0 + rs) * H + i_h)[:, None] * 16 + o[None, :], mask=(rs < nv)[:, None], other=0.0)
