@@ -636,16 +636,24 @@ def _fwd_inverse_kernel(
 
 
 @_helper
-def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
-    """Rows of sub-chunk ``s`` on the K columns ``c`` against its first row ``r``: ``(q exp(G - G_r),
-    k exp(G - G_r), G_r)``, factors <= 1, the norms applied, zero outside the sequence."""
+def _sub_tile(G, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Sub-chunk ``s`` on the K columns ``c``: ``(off, m2, rows, vs, G - G_r, G_r)``, the tile's offsets and mask,
+    its token-major rows and their validity, and its gates against its first row ``r``."""
     rs = s * 16 + tl.arange(0, 16)
     vs = rs < nv
     rows = (t0 + rs) * H + i_h
     m2 = vs[:, None] & cm[None, :]
     off = rows[:, None] * K + c[None, :]
     Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-    er = tl.exp(tl.where(m2, tl.load(G + off, mask=m2, other=0.0) - Gr[None, :], float("-inf")))
+    return off, m2, rows, vs, tl.load(G + off, mask=m2, other=0.0) - Gr[None, :], Gr
+
+
+@_helper
+def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Rows of sub-chunk ``s`` on the K columns ``c`` against its first row ``r``: ``(q exp(G - G_r),
+    k exp(G - G_r), G_r)``, factors <= 1, the norms applied, zero outside the sequence."""
+    off, m2, rows, vs, d, Gr = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
+    er = tl.exp(tl.where(m2, d, float("-inf")))
     kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * er)
     qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rq + rows, mask=vs, other=0.0)[:, None] * er)
     return qf, kf, Gr
@@ -655,13 +663,8 @@ def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.con
 def _sub_columns(k, G, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
     """Columns of sub-chunk ``s`` against its first row ``r``: ``(k exp(G_r - G))^T``, factors <= exp(15
     |lower_bound|), ready as the right operand of a product."""
-    rs = s * 16 + tl.arange(0, 16)
-    vs = rs < nv
-    rows = (t0 + rs) * H + i_h
-    m2 = vs[:, None] & cm[None, :]
-    off = rows[:, None] * K + c[None, :]
-    Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-    ec = tl.exp(tl.where(m2, Gr[None, :] - tl.load(G + off, mask=m2, other=0.0), float("-inf")))
+    off, m2, rows, vs, d, _ = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
+    ec = tl.exp(tl.where(m2, -d, float("-inf")))
     kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * ec)
     return tl.trans(kf)
 
