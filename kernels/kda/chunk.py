@@ -149,6 +149,7 @@ class ChunkKDAConfig:
             1·32768·32·128 (3.812 against 3.865 ms); the H200 and the backward are not timed yet
             (docs/BENCHMARKS.md, nineteenth pass).
         diag_num_warps: warps per program of the blocks solve's diagonal kernel (16-row tiles).
+        diag_block_k: K tile of that kernel (its tiles are ``[16, diag_block_k]``).
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
             chunks: 255 registers and 16 bytes of spill at 2 warps in the sm_90 compile).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
@@ -244,6 +245,7 @@ class ChunkKDAConfig:
     inverse_num_warps: int = 2
     intra_solve: str = "strips"
     diag_num_warps: int = 1
+    diag_block_k: int = 32
     solve_num_warps: int = 2
     num_stages: int = 2
     state_block_v: int = 128
@@ -274,8 +276,8 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "block_k_fp32", "intra_block_k", "gate_block_k", "block_v", "state_block_v",
-            "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
+            "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "gate_block_k", "block_v",
+            "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
             "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
@@ -705,30 +707,35 @@ def _fwd_diag_kernel(
 ):  # fmt: skip
     """One (chunk, head, sub-chunk b): row ``b`` of ``A_qk`` from its diagonal block on (zeros right of it),
     and ``D_b = (I + A_kk[b, b])^-1`` to ``Dinv`` (``[tokens, H, 16]``). Rows and columns share one reference,
-    the sub-chunk's first row."""
+    the sub-chunk's first row, so each tile of ``q``, ``k`` and ``G`` is read once for both sides."""
     i_c, i_h, b = _chunk_program(BT // 16, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     o = tl.arange(0, 16)
     rs = b * 16 + o
     vs = rs < nv
+    rows = (t0 + rs) * H + i_h
+    iq = tl.load(rq + rows, mask=vs, other=0.0)
+    ik = tl.load(rk + rows, mask=vs, other=0.0)
     aq = tl.full([16, 16], 0.0, tl.float32)
     ak = tl.full([16, 16], 0.0, tl.float32)
     for kk in range(0, K, BK):
         c = kk + tl.arange(0, BK)
         cm = c < K
-        qs, ks, Gb = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, b, c, cm, H=H, K=K)
-        kct = _sub_columns(k, G, rk, t0, nv, i_h, b, c, cm, H=H, K=K)
-        aq += _dot(qs, kct, P, EMU)
-        ak += _dot(ks, kct, P, EMU)
-    rows = (t0 + rs) * H + i_h
+        off, m2, _, _, d, _ = _sub_tile(G, t0, nv, i_h, b, c, cm, H=H, K=K)
+        er = tl.exp(tl.where(m2, d, float("-inf")))
+        kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
+        kct = tl.trans(kf * tl.exp(tl.where(m2, -d, float("-inf"))))
+        aq += _dot(tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (iq[:, None] * er), kct, P, EMU)
+        ak += _dot(kf * er, kct, P, EMU)
     beta = _load_beta(beta_raw, rows, vs, BETA_SIGMOID)
+    # the diagonal block, then the zeros right of it (Triton cannot place a tile at a runtime column offset
+    # other than through its pointers, so the two are separate stores)
+    tl.store(Aqk + rows[:, None] * BT + (b * 16 + o)[None, :],
+             _out(tl.where(o[None, :] <= o[:, None], aq * scale, 0.0), Aqk, EMU), mask=vs[:, None])
     r = tl.arange(0, BT)
-    # the block placed at columns b*16.. of the row (Triton cannot index a tile): an exact selection product
-    pick = (b * 16 + o[None, :] == r[:, None]).to(tl.float32)
-    a_q = tl.where(o[None, :] <= o[:, None], aq * scale, 0.0)
-    row_q = tl.dot(a_q, tl.trans(pick), input_precision="ieee")
-    tl.store(Aqk + rows[:, None] * BT + r[None, :], _out(row_q, Aqk, EMU), mask=vs[:, None] & (r >= b * 16)[None, :])
+    tl.store(Aqk + rows[:, None] * BT + r[None, :], tl.zeros([16, BT], Aqk.dtype.element_ty),
+             mask=vs[:, None] & (r >= b * 16 + 16)[None, :])
     a_k = tl.where(vs[:, None] & (o[None, :] < o[:, None]), ak * beta[:, None], 0.0)
     tl.store(Dinv + rows[:, None] * 16 + o[None, :], _unit_lower_inverse16(a_k), mask=vs[:, None])
 
@@ -1600,7 +1607,7 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
         Dinv = _alloc((NT, H, _SUB), f32, dev, poison)  # the inverted diagonal blocks D_b
         _fwd_diag_kernel[(N * H * (BT // _SUB),)](
             q, k, beta_raw, G, rq, rk, Aqk, Dinv, layout.chunk_start, layout.chunk_len, meta.scale,
-            H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
+            H=H, K=K, BT=BT, BK=cfg.diag_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
             EMU=meta.emu, num_warps=cfg.diag_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _fwd_solve_kernel[(N * H,)](
