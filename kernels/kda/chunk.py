@@ -638,37 +638,23 @@ def _fwd_inverse_kernel(
 
 
 @_helper
-def _sub_tile(G, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
-    """Sub-chunk ``s`` on the K columns ``c``: ``(off, m2, rows, vs, G - G_r, G_r)``, the tile's offsets and mask,
-    its token-major rows and their validity, and its gates against its first row ``r``."""
+def _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Sub-chunk ``s`` on the K columns ``c``, factored against its first row ``r``: ``(q exp(G - G_r),
+    k exp(G - G_r), (k exp(G_r - G))^T, G_r)`` -- its rows (factors <= 1), its columns ready as the right operand
+    of a product (factors <= exp(15 |lower_bound|)) and its reference gates; the norms applied, zero outside the
+    sequence. Each tile is read once for both sides; a caller that uses one side leaves the other to dead-code
+    elimination."""
     rs = s * 16 + tl.arange(0, 16)
     vs = rs < nv
     rows = (t0 + rs) * H + i_h
     m2 = vs[:, None] & cm[None, :]
     off = rows[:, None] * K + c[None, :]
     Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-    return off, m2, rows, vs, tl.load(G + off, mask=m2, other=0.0) - Gr[None, :], Gr
-
-
-@_helper
-def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
-    """Rows of sub-chunk ``s`` on the K columns ``c`` against its first row ``r``: ``(q exp(G - G_r),
-    k exp(G - G_r), G_r)``, factors <= 1, the norms applied, zero outside the sequence."""
-    off, m2, rows, vs, d, Gr = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
+    d = tl.load(G + off, mask=m2, other=0.0) - Gr[None, :]
     er = tl.exp(tl.where(m2, d, float("-inf")))
-    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * er)
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + rows, mask=vs, other=0.0)[:, None]
     qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rq + rows, mask=vs, other=0.0)[:, None] * er)
-    return qf, kf, Gr
-
-
-@_helper
-def _sub_columns(k, G, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
-    """Columns of sub-chunk ``s`` against its first row ``r``: ``(k exp(G_r - G))^T``, factors <= exp(15
-    |lower_bound|), ready as the right operand of a product."""
-    off, m2, rows, vs, d, _ = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
-    ec = tl.exp(tl.where(m2, -d, float("-inf")))
-    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * ec)
-    return tl.trans(kf)
+    return qf, kf * er, tl.trans(kf * tl.exp(tl.where(m2, -d, float("-inf")))), Gr
 
 
 @_helper
@@ -715,19 +701,13 @@ def _fwd_diag_kernel(
     rs = b * 16 + o
     vs = rs < nv
     rows = (t0 + rs) * H + i_h
-    iq = tl.load(rq + rows, mask=vs, other=0.0)
-    ik = tl.load(rk + rows, mask=vs, other=0.0)
     aq = tl.full([16, 16], 0.0, tl.float32)
     ak = tl.full([16, 16], 0.0, tl.float32)
     for kk in range(0, K, BK):
         c = kk + tl.arange(0, BK)
-        cm = c < K
-        off, m2, _, _, d, _ = _sub_tile(G, t0, nv, i_h, b, c, cm, H=H, K=K)
-        er = tl.exp(tl.where(m2, d, float("-inf")))
-        kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * ik[:, None]
-        kct = tl.trans(kf * tl.exp(tl.where(m2, -d, float("-inf"))))
-        aq += _dot(tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (iq[:, None] * er), kct, P, EMU)
-        ak += _dot(kf * er, kct, P, EMU)
+        qs, ks, kct, _ = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, b, c, c < K, H=H, K=K)
+        aq += _dot(qs, kct, P, EMU)
+        ak += _dot(ks, kct, P, EMU)
     beta = _load_beta(beta_raw, rows, vs, BETA_SIGMOID)
     # the diagonal block, then the zeros right of it (Triton cannot place a tile at a runtime column offset
     # other than through its pointers, so the two are separate stores)
@@ -752,7 +732,7 @@ def _fwd_solve_kernel(
     ``T[b, b] = D_b``, ``T[b, c] = -D_b sum_{c <= m < b} A_kk[b, m] T[m, c]``. ``A_kk`` never leaves the
     program, and the zero blocks above the diagonal are written, never computed."""
     NC: tl.constexpr = BT // 16
-    i_c, i_h, _ = _chunk_program(1, H)
+    i_c, i_h, _only_part = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     z = tl.full([16, 16], 0.0, tl.float32)
@@ -762,18 +742,14 @@ def _fwd_solve_kernel(
         for kk in range(0, K, BK):
             c = kk + tl.arange(0, BK)
             cm = c < K
-            # sub-chunk 0's reference is the chunk's first row, always inside the sequence
-            G0 = tl.load(G + (t0 * H + i_h) * K + c, mask=cm, other=0.0)
-            kc0 = _sub_columns(k, G, rk, t0, nv, i_h, 0, c, cm, H=H, K=K)
-            qs, ks, G1 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
+            _, _, kc0, G0 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 0, c, cm, H=H, K=K)
+            qs, ks, kc1, G1 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
             aq10, ak10 = _block_pair(qs, ks, kc0, G1, G0, aq10, ak10, P=P, EMU=EMU)
             if NC >= 4:
-                kc1 = _sub_columns(k, G, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
-                qs, ks, G2 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
+                qs, ks, kc2, G2 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
                 aq20, ak20 = _block_pair(qs, ks, kc0, G2, G0, aq20, ak20, P=P, EMU=EMU)
                 aq21, ak21 = _block_pair(qs, ks, kc1, G2, G1, aq21, ak21, P=P, EMU=EMU)
-                kc2 = _sub_columns(k, G, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
-                qs, ks, G3 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 3, c, cm, H=H, K=K)
+                qs, ks, _, G3 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 3, c, cm, H=H, K=K)
                 aq30, ak30 = _block_pair(qs, ks, kc0, G3, G0, aq30, ak30, P=P, EMU=EMU)
                 aq31, ak31 = _block_pair(qs, ks, kc1, G3, G1, aq31, ak31, P=P, EMU=EMU)
                 aq32, ak32 = _block_pair(qs, ks, kc2, G3, G2, aq32, ak32, P=P, EMU=EMU)
