@@ -151,7 +151,9 @@ class ChunkKDAConfig:
         diag_num_warps: warps per program of the blocks solve's diagonal kernel (16-row tiles).
         diag_block_k: K tile of that kernel (its tiles are ``[16, diag_block_k]``).
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
-            chunks: 255 registers and 16 bytes of spill at 2 warps in the sm_90 compile).
+            chunks).
+        solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers with spill at 2
+            warps and 16 at 222 without (``ops/bench/kda_resources.py``).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
@@ -247,6 +249,7 @@ class ChunkKDAConfig:
     diag_num_warps: int = 1
     diag_block_k: int = 32
     solve_num_warps: int = 2
+    solve_block_k: int = 32
     num_stages: int = 2
     state_block_v: int = 128
     state_num_warps: int = 8
@@ -276,8 +279,8 @@ class ChunkKDAConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "gate_block_k", "block_v",
-            "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
+            "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "solve_block_k", "gate_block_k",
+            "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
             "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
@@ -1588,7 +1591,7 @@ def _intermediates(q, k, v, g_raw, beta_raw, A_log, dt_bias, layout, meta):
         )  # fmt: skip
         _fwd_solve_kernel[(N * H,)](
             q, k, beta_raw, G, rq, rk, Aqk, Dinv, Twy, layout.chunk_start, layout.chunk_len, meta.scale,
-            H=H, K=K, BT=BT, BK=cfg.intra_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
+            H=H, K=K, BT=BT, BK=cfg.solve_block_k, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_intra,
             EMU=meta.emu, num_warps=cfg.solve_num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
