@@ -54,8 +54,9 @@ Design decisions
   per (chunk, head), forms every block below the diagonal in one loop over K tiles with each sub-chunk
   factored against its own first row -- rows ``q exp(G - G_ref_b)`` (<= 1), columns ``k exp(G_ref_c - G)``
   (<= exp(15 |lower_bound|)), joined by ``exp(G_ref_b - G_ref_c)`` per K column (<= 1) -- so a sub-chunk's
-  exponentials are taken once per K tile instead of once per strip, then ``T`` by block forward
-  substitution in registers: no zero block is multiplied and ``X`` never goes through memory.
+  tile is read and its exponentials taken once per K tile for its rows and its columns together instead of
+  once per strip, then ``T`` by block forward substitution in registers: no zero block is multiplied and
+  ``X`` never goes through memory.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
   (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state kernel (its
   result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in most of the backward, and
@@ -146,8 +147,8 @@ class ChunkKDAConfig:
             diagonal blocks and their inverses, and one program per (chunk, head) for every block below the
             diagonal and ``T`` (see the module notes). On an H100 the two were level at 8·4096·16·128 and
             2·8192·32·128 (forward 1.822 / 1.834 ms against 1.822 / 1.832) and blocks 1.4 % faster at
-            1·32768·32·128 (3.812 against 3.865 ms); the H200 and the backward are not timed yet
-            (docs/BENCHMARKS.md, nineteenth pass).
+            1·32768·32·128 (3.812 against 3.865 ms; docs/BENCHMARKS.md, nineteenth pass). Its kernels have
+            read each tile once since (twentieth pass); the H200 and the backward are not timed yet.
         diag_num_warps: warps per program of the blocks solve's diagonal kernel (16-row tiles).
         diag_block_k: K tile of that kernel (its tiles are ``[16, diag_block_k]``).
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
