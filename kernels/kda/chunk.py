@@ -8,23 +8,24 @@ and ``S' = exp(G_last) S + (k exp(G_last - G))^T v_new``.
 
 Design decisions
 ----------------
-* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and the
-  last row ``G_last`` of every chunk (one program per K tile), and the inverse row norms of q and k (one more
-  program per chunk and head); (2) one program per (chunk, head, 16-row strip): rows of ``A_qk`` and ``A_kk``,
-  with the strip's diagonal block of ``A_kk`` already inverted; (3) a chunk-parallel kernel assembling
-  ``T = (I + A_kk)^-1``; (4) the WY kernel, one program per (chunk, head, K or V tile): ``w``, ``u`` and the
+* Stages and launches. Forward: (1) a chunk-parallel gate kernel: the gate, its cumulative sum ``G`` and the last
+  row ``G_last`` of every chunk (one program per K tile), and the inverse row norms of q and k (one more program
+  per chunk and head); (2) one program per (chunk, head, 16-row sub-chunk): the diagonal blocks of ``A_qk`` and
+  ``A_kk``, the latter inverted; (3) one program per (chunk, head): the blocks below the diagonal and ``T`` (the
+  "blocks solve" below; ``intra_solve="strips"`` forms whole 16-row strips of both matrices in (2) and assembles
+  ``T`` in (3) instead); (4) the WY kernel, one program per (chunk, head, K or V tile): ``w``, ``u`` and the
   operands of stage 5, ``qg = scale q exp(G)`` and ``kd = k exp(G_last - G)``; (5) one program per (sequence,
   head, V tile) carries the fp32 state in registers across the chunks of its sequence and writes every chunk's
-  output from the state before it (the chunk states only when they are asked for: a separate output kernel
-  that read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes the
-  states and ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the
-  reverse state recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in
-  two kernels, the V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the
-  inter-chunk terms, ``dw w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through
-  ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum
-  of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the L2-norm and sigmoid
-  backward (two more per chunk and head). No Python loop runs over chunks: chunk
-  and sequence index tables are built on the host (vectorised, cached per layout).
+  output from the state before it (the chunk states only when they are asked for: a separate output kernel that
+  read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes the states and
+  ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the reverse state
+  recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the
+  V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
+  w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
+  program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum of ``dG`` and the gate's
+  backward (one program per chunk, head and K tile) and the L2-norm and sigmoid backward (two more per chunk and
+  head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
+  cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
   tiles run together and share them through L2.
@@ -48,15 +49,15 @@ Design decisions
   (A is nilpotent) in exact fp32. The next kernel then has ``X = D + L`` (D the inverted diagonal blocks, L
   the strictly block-lower part of ``A_kk``): ``I + A_kk = (I + A_diag)(I + D L)`` and ``M = D L`` is
   block-nilpotent (``M^4 = 0`` for four blocks), so ``T = (I - M)(I + M^2) D``, four chunk-sized products.
-* Blocks solve (``ChunkKDAConfig.intra_solve="blocks"``, not the default). The same products cut into 16 x 16
-  blocks: a diagonal kernel, one program per (chunk, head, sub-chunk ``b``), forms ``A[b, b]`` and ``D_b``
-  with the sub-chunk's first row as the reference of its rows and its columns; a solve kernel, one program
-  per (chunk, head), forms every block below the diagonal in one loop over K tiles with each sub-chunk
-  factored against its own first row -- rows ``q exp(G - G_ref_b)`` (<= 1), columns ``k exp(G_ref_c - G)``
-  (<= exp(15 |lower_bound|)), joined by ``exp(G_ref_b - G_ref_c)`` per K column (<= 1) -- so a sub-chunk's
-  tile is read and its exponentials taken once per K tile for its rows and its columns together instead of
-  once per strip, then ``T`` by block forward substitution in registers: no zero block is multiplied and
-  ``X`` never goes through memory.
+* Blocks solve (``ChunkKDAConfig.intra_solve="blocks"``, the default; ``"strips"`` runs the two kernels
+  above). The same products cut into 16 x 16 blocks: a diagonal kernel, one program per (chunk, head,
+  sub-chunk ``b``), forms ``A[b, b]`` and ``D_b`` from one read of the sub-chunk's tiles, with its first row
+  as the reference of its rows and its columns; a solve kernel, one program per (chunk, head), forms every
+  block below the diagonal in one loop over K tiles with each sub-chunk factored against its own first row
+  -- rows ``q exp(G - G_ref_b)`` (<= 1), columns ``k exp(G_ref_c - G)`` (<= exp(15 |lower_bound|)), joined by
+  ``exp(G_ref_b - G_ref_c)`` per K column (<= 1) -- so a sub-chunk's exponentials are taken once per K tile
+  instead of once per strip, then ``T`` by block forward substitution in registers: no zero block is
+  multiplied and ``X`` never goes through memory.
 * Precision. Accumulation is fp32 everywhere; the products' operand precision is chosen per stage
   (``ChunkKDAConfig.precision``; ``_dot``). With 16-bit inputs: bf16 operands in the forward state kernel (its
   result is the bf16 output), tf32 in the forward intra-chunk and WY kernels and in most of the backward, and
@@ -142,19 +143,18 @@ class ChunkKDAConfig:
         inverse_num_warps: warps per program of the forward inverse kernel (``T`` from the strips' output,
             four ``[BT, BT]`` products): 2 took it from 0.164 to 0.140 ms at 2·8192·32·128 on an H200, where
             the other forward kernels were fastest at 4 (docs/BENCHMARKS.md).
-        intra_solve: how the forward forms ``A_qk`` and ``T = (I + A_kk)^-1``. ``"strips"`` (default): one
-            program per 16-row strip, then the inverse kernel. ``"blocks"``: a kernel per 16-row sub-chunk for the
-            diagonal blocks and their inverses, and one program per (chunk, head) for every block below the
-            diagonal and ``T`` (see the module notes). On an H100 the two were level at 8·4096·16·128 and
-            2·8192·32·128 (forward 1.822 / 1.834 ms against 1.822 / 1.832) and blocks 1.4 % faster at
-            1·32768·32·128 (3.812 against 3.865 ms; docs/BENCHMARKS.md, nineteenth pass). Its kernels have
-            read each tile once since (twentieth pass); the H200 and the backward are not timed yet.
+        intra_solve: how the forward forms ``A_qk`` and ``T = (I + A_kk)^-1``. ``"blocks"`` (default): a kernel
+            per 16-row sub-chunk for the diagonal blocks and their inverses, and one program per (chunk, head)
+            for every block below the diagonal and ``T``. ``"strips"``: one program per 16-row strip, then the
+            inverse kernel (see the module notes). At 8·4096·16·128 on an H100, in one process, blocks took
+            the forward from 1.814 to 1.717 ms and forward + backward from 8.718 to 8.641, with 64 MiB less
+            peak memory (docs/BENCHMARKS.md, twentieth pass; not yet timed on an H200).
         diag_num_warps: warps per program of the blocks solve's diagonal kernel (16-row tiles).
         diag_block_k: K tile of that kernel (its tiles are ``[16, diag_block_k]``).
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
             chunks).
-        solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers with spill at 2
-            warps and 16 at 222 without (``ops/bench/kda_resources.py``).
+        solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers with 16 bytes of
+            spill at 2 warps and 16 at 240 without, yet 16 was no faster (docs/BENCHMARKS.md, twentieth pass).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
@@ -246,7 +246,7 @@ class ChunkKDAConfig:
     block_v: int = 64
     num_warps: int = 4
     inverse_num_warps: int = 2
-    intra_solve: str = "strips"
+    intra_solve: str = "blocks"
     diag_num_warps: int = 1
     diag_block_k: int = 32
     solve_num_warps: int = 2
@@ -281,8 +281,8 @@ class ChunkKDAConfig:
     def __post_init__(self) -> None:
         for name in (
             "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "solve_block_k", "gate_block_k",
-            "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v", "bwd_wy_k_block_v",
-            "bwd_intra_block_k", "bwd_finish_block_k",
+            "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v",
+            "bwd_wy_k_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -642,23 +642,48 @@ def _fwd_inverse_kernel(
 
 
 @_helper
-def _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
-    """Sub-chunk ``s`` on the K columns ``c``, factored against its first row ``r``: ``(q exp(G - G_r),
-    k exp(G - G_r), (k exp(G_r - G))^T, G_r)`` -- its rows (factors <= 1), its columns ready as the right operand
-    of a product (factors <= exp(15 |lower_bound|)) and its reference gates; the norms applied, zero outside the
-    sequence. Each tile is read once for both sides; a caller that uses one side leaves the other to dead-code
-    elimination."""
+def _sub_tile(G, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Sub-chunk ``s`` on the K columns ``c``: ``(off, m2, rows, vs, G - G_r, G_r)``, the tile's offsets and mask,
+    its token-major rows and their validity, and its gates against its first row ``r``."""
     rs = s * 16 + tl.arange(0, 16)
     vs = rs < nv
     rows = (t0 + rs) * H + i_h
     m2 = vs[:, None] & cm[None, :]
     off = rows[:, None] * K + c[None, :]
     Gr = tl.load(G + ((t0 + tl.minimum(s * 16, nv - 1)) * H + i_h) * K + c, mask=cm, other=0.0)
-    d = tl.load(G + off, mask=m2, other=0.0) - Gr[None, :]
+    return off, m2, rows, vs, tl.load(G + off, mask=m2, other=0.0) - Gr[None, :], Gr
+
+
+@_helper
+def _sub_rows(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Rows of sub-chunk ``s`` on the K columns ``c`` against its first row ``r``: ``(q exp(G - G_r),
+    k exp(G - G_r), G_r)``, factors <= 1, the norms applied, zero outside the sequence."""
+    off, m2, rows, vs, d, Gr = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
+    er = tl.exp(tl.where(m2, d, float("-inf")))
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * er)
+    qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rq + rows, mask=vs, other=0.0)[:, None] * er)
+    return qf, kf, Gr
+
+
+@_helper
+def _sub_columns(k, G, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Columns of sub-chunk ``s`` against its first row ``r``: ``(k exp(G_r - G))^T``, factors <= exp(15
+    |lower_bound|), ready as the right operand of a product."""
+    off, m2, rows, vs, d, _ = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
+    ec = tl.exp(tl.where(m2, -d, float("-inf")))
+    kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rk + rows, mask=vs, other=0.0)[:, None] * ec)
+    return tl.trans(kf)
+
+
+@_helper
+def _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, s, c, cm, H: tl.constexpr, K: tl.constexpr):
+    """Both sides of sub-chunk ``s`` from one read of its tiles: ``(q exp(G - G_r), k exp(G - G_r),
+    (k exp(G_r - G))^T)``, as ``_sub_rows`` and ``_sub_columns`` give them (the diagonal block needs both)."""
+    off, m2, rows, vs, d, _ = _sub_tile(G, t0, nv, i_h, s, c, cm, H=H, K=K)
     er = tl.exp(tl.where(m2, d, float("-inf")))
     kf = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + rows, mask=vs, other=0.0)[:, None]
     qf = tl.load(q + off, mask=m2, other=0.0).to(tl.float32) * (tl.load(rq + rows, mask=vs, other=0.0)[:, None] * er)
-    return qf, kf * er, tl.trans(kf * tl.exp(tl.where(m2, -d, float("-inf")))), Gr
+    return qf, kf * er, tl.trans(kf * tl.exp(tl.where(m2, -d, float("-inf"))))
 
 
 @_helper
@@ -709,7 +734,7 @@ def _fwd_diag_kernel(
     ak = tl.full([16, 16], 0.0, tl.float32)
     for kk in range(0, K, BK):
         c = kk + tl.arange(0, BK)
-        qs, ks, kct, _ = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, b, c, c < K, H=H, K=K)
+        qs, ks, kct = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, b, c, c < K, H=H, K=K)
         aq += _dot(qs, kct, P, EMU)
         ak += _dot(ks, kct, P, EMU)
     beta = _load_beta(beta_raw, rows, vs, BETA_SIGMOID)
@@ -736,7 +761,7 @@ def _fwd_solve_kernel(
     ``T[b, b] = D_b``, ``T[b, c] = -D_b sum_{c <= m < b} A_kk[b, m] T[m, c]``. ``A_kk`` never leaves the
     program, and the zero blocks above the diagonal are written, never computed."""
     NC: tl.constexpr = BT // 16
-    i_c, i_h, _only_part = _chunk_program(1, H)
+    i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     z = tl.full([16, 16], 0.0, tl.float32)
@@ -746,14 +771,21 @@ def _fwd_solve_kernel(
         for kk in range(0, K, BK):
             c = kk + tl.arange(0, BK)
             cm = c < K
-            _, _, kc0, G0 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 0, c, cm, H=H, K=K)
-            qs, ks, kc1, G1 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
+            # each sub-chunk's columns are formed right before the first rows that need them: reading sub-chunks
+            # 1 and 2 once for both sides (as _sub_tiles does) holds more tiles at once and spilled more
+            # registers, which cost more than the second read saved (docs/BENCHMARKS.md, twentieth pass);
+            # sub-chunk 0's reference is the chunk's first row, always inside the sequence
+            G0 = tl.load(G + (t0 * H + i_h) * K + c, mask=cm, other=0.0)
+            kc0 = _sub_columns(k, G, rk, t0, nv, i_h, 0, c, cm, H=H, K=K)
+            qs, ks, G1 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
             aq10, ak10 = _block_pair(qs, ks, kc0, G1, G0, aq10, ak10, P=P, EMU=EMU)
             if NC >= 4:
-                qs, ks, kc2, G2 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
+                kc1 = _sub_columns(k, G, rk, t0, nv, i_h, 1, c, cm, H=H, K=K)
+                qs, ks, G2 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
                 aq20, ak20 = _block_pair(qs, ks, kc0, G2, G0, aq20, ak20, P=P, EMU=EMU)
                 aq21, ak21 = _block_pair(qs, ks, kc1, G2, G1, aq21, ak21, P=P, EMU=EMU)
-                qs, ks, _, G3 = _sub_tiles(q, k, G, rq, rk, t0, nv, i_h, 3, c, cm, H=H, K=K)
+                kc2 = _sub_columns(k, G, rk, t0, nv, i_h, 2, c, cm, H=H, K=K)
+                qs, ks, G3 = _sub_rows(q, k, G, rq, rk, t0, nv, i_h, 3, c, cm, H=H, K=K)
                 aq30, ak30 = _block_pair(qs, ks, kc0, G3, G0, aq30, ak30, P=P, EMU=EMU)
                 aq31, ak31 = _block_pair(qs, ks, kc1, G3, G1, aq31, ak31, P=P, EMU=EMU)
                 aq32, ak32 = _block_pair(qs, ks, kc2, G3, G2, aq32, ak32, P=P, EMU=EMU)

@@ -116,17 +116,18 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
+@pytest.mark.parametrize("intra_solve", ["blocks", "strips"])
 @pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 32),
                                                 (torch.bfloat16, 16)])
-def test_blocks_solve_matches_the_reference(dtype, chunk_size):
-    # intra_solve="blocks": four, two and one sub-chunks per chunk, packed sequences with tails and one shorter
-    # than a chunk, states in and out, training and inference (where T is written in bf16). The gates are
-    # shifted to decay slowly, so that the blocks far below the diagonal of A_kk and T carry weight.
+def test_intra_solves_match_the_reference(intra_solve, dtype, chunk_size):
+    # Both ways of forming A_qk and T: four, two and one sub-chunks per chunk, packed sequences with tails and
+    # one shorter than a chunk, states in and out, training and inference (where T is written in bf16). The
+    # gates are shifted to decay slowly, so that the blocks far below the diagonal of A_kk and T carry weight.
     gen = fresh_generator()
     cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
     inputs = _inputs(gen, 1, 130, 3, dtype)
     inputs[3] = inputs[3] - 6.0
-    config = ChunkKDAConfig(poison=True, intra_solve="blocks")
+    config = ChunkKDAConfig(poison=True, intra_solve=intra_solve)
     pairs = _run_both(inputs, dtype, cu_seqlens=cu, config=config, chunk_size=chunk_size)
     with torch.no_grad():
         o_lean, _ = chunk_kda(
