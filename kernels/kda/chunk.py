@@ -154,7 +154,8 @@ class ChunkKDAConfig:
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
             chunks).
         solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers with 16 bytes of
-            spill at 2 warps and 16 at 240 without, yet 16 was no faster (docs/BENCHMARKS.md, twentieth pass).
+            spill at 2 warps and 16 at 240 without; on a variant of the kernel 16 was no faster
+            (docs/BENCHMARKS.md, twentieth pass).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
