@@ -200,12 +200,12 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
         dict(
             block_k=16, block_k_fp32=16, gate_block_k=16, block_v=16, bwd_block_k=16, bwd_block_v=16,
             bwd_wy_k_block_v=16, bwd_intra_block_k=16, state_block_v=16, state_block_v_fp32=16,
-            bwd_state_block_v=16, bwd_finish_block_k=16,
+            bwd_state_block_v=16, bwd_finish_block_k=16, diag_block_k=16, solve_block_k=16,
         ),
-        # the three backward K tilings differ; the gate backward on one tile of the whole K
+        # the three backward K tilings differ; the gate backward on one tile of the whole K; the strips solve
         dict(
             block_k=64, block_k_fp32=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128,
-            bwd_finish_num_warps=4,
+            bwd_finish_num_warps=4, intra_solve="strips", intra_block_k=16,
         ),
     ],
 )
