@@ -362,6 +362,8 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("state_num_stages_few_programs", 5, r"ChunkKDAConfig.state_num_stages_few_programs must be an int from 1 to 4"),
         ("gate_block_k", 24, r"ChunkKDAConfig.gate_block_k must be a power of two >= 16, got 24"),
         ("intra_block_k", 8, r"ChunkKDAConfig.intra_block_k must be a power of two >= 16, got 8"),
+        ("diag_block_k", 48, r"ChunkKDAConfig.diag_block_k must be a power of two >= 16, got 48"),
+        ("solve_block_k", 8, r"ChunkKDAConfig.solve_block_k must be a power of two >= 16, got 8"),
         ("recompute", 1, r"ChunkKDAConfig.recompute must be a bool, got 1"),
         ("bwd_state_f16", "no", r"ChunkKDAConfig.bwd_state_f16 must be a bool, got 'no'"),
         ("f16_states", 1, r"ChunkKDAConfig.f16_states must be a bool, got 1"),
