@@ -22,9 +22,9 @@ Design decisions
   recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the
   V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
   w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
-  program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum of ``dG`` and the gate's
-  backward (one program per chunk, head and K tile) and the L2-norm and sigmoid backward (two more per chunk and
-  head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
+  program per 16-row sub-chunk (or per chunk: ``ChunkKDAConfig.bwd_intra``); and a last kernel for the reverse
+  cumulative sum of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the L2-norm and
+  sigmoid backward (two more per chunk and head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
   cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -119,6 +119,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_SIZES = (16, 32, 64)
 _PRECISIONS = ("auto", "bf16", "tf32", "split", "ieee")
 _INTRA_SOLVES = ("strips", "blocks")
+_BWD_INTRAS = ("sub_chunks", "chunks")
 
 
 @dataclass(frozen=True)
@@ -209,11 +210,21 @@ class ChunkKDAConfig:
             on an older form of it).
         bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the WY-K one above
             and the two below).
+        bwd_intra: how the backward forms the intra-chunk gradients (through ``A_qk`` and ``A_kk``).
+            ``"sub_chunks"`` (default): one program per (chunk, head, 16-row sub-chunk, K tile), which visits
+            every block its sub-chunk meets and takes each visited tile's exponentials again.
+            ``"chunks"``: one program per (chunk, head, K tile), which factors every key tile once and runs the
+            chunk as four 16-row strips in a loop, the column sides gathered in one ``[BT, K tile]``
+            accumulator (``_bwd_intra_chunk_kernel``). Not yet timed on a GPU; in the sm_90 compile it takes
+            252 registers without spill at the defaults below (docs/BENCHMARKS.md, twenty-first pass).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel (16-row tiles).
         bwd_intra_num_stages: pipelining depth of the backward intra-chunk kernel's loops over the sub-chunks it
             interacts with. On an H100 at 2·8192·32·128 that kernel took 1.88 ms at 3, 1.92 at 2 and 1.91 at 1.
+        bwd_intra_chunk_block_k: K tile of the ``bwd_intra="chunks"`` kernel. 32 at 4 warps spills (80 / 52
+            bytes per thread in the sm_90 compile); 16 at 4 warps and 32 at 8 do not.
+        bwd_intra_chunk_num_warps: warps per program of that kernel.
         bwd_finish_block_k: K tile of the last backward kernel's gate part (reverse cumulative sum of ``dG``
             and the gate backward, one program per (chunk, head, K tile) on the whole chunk); two more programs
             per (chunk, head) take the L2-norm backward of ``dq`` and of ``dk`` (with ``dbeta``'s sigmoid
@@ -270,9 +281,12 @@ class ChunkKDAConfig:
     bwd_wy_k_block_v: int = 32
     bwd_num_warps: int = 4
     bwd_wy_k_num_warps: int = 8
+    bwd_intra: str = "sub_chunks"
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     bwd_intra_num_stages: int = 3
+    bwd_intra_chunk_block_k: int = 32
+    bwd_intra_chunk_num_warps: int = 8
     bwd_finish_block_k: int = 32
     bwd_finish_num_warps: int = 2
     precision: str = "auto"
@@ -283,7 +297,7 @@ class ChunkKDAConfig:
         for name in (
             "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "solve_block_k", "gate_block_k",
             "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v",
-            "bwd_wy_k_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
+            "bwd_wy_k_block_v", "bwd_intra_block_k", "bwd_intra_chunk_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -298,7 +312,7 @@ class ChunkKDAConfig:
         for name in (
             "num_warps", "inverse_num_warps", "diag_num_warps", "solve_num_warps", "state_num_warps",
             "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps", "bwd_wy_k_num_warps",
-            "bwd_intra_num_warps", "bwd_finish_num_warps",
+            "bwd_intra_num_warps", "bwd_intra_chunk_num_warps", "bwd_finish_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -308,6 +322,8 @@ class ChunkKDAConfig:
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.intra_solve not in _INTRA_SOLVES:
             raise ValueError(f"ChunkKDAConfig.intra_solve must be one of {_INTRA_SOLVES}, got {self.intra_solve!r}")
+        if self.bwd_intra not in _BWD_INTRAS:
+            raise ValueError(f"ChunkKDAConfig.bwd_intra must be one of {_BWD_INTRAS}, got {self.bwd_intra!r}")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"ChunkKDAConfig.precision must be one of {_PRECISIONS}, got {self.precision!r}")
 
@@ -1307,6 +1323,82 @@ def _bwd_intra_kernel(
     tl.store(dbeta_part + i_k * n_tok * H + rowb, db_i, mask=vb)
 
 
+@triton.jit
+def _bwd_intra_chunk_kernel(
+    q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
+    chunk_start, chunk_len, n_tok, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, head, K tile): the intra-chunk gradients of the whole chunk (``ChunkKDAConfig.bwd_intra=
+    "chunks"``), the sums of ``_intra_grads`` with every key tile read and its exponentials taken once.
+
+    Each sub-chunk is factored against its own last row: ``XF = k exp(G_last - G)`` (<= 1) for the whole chunk,
+    once. Strip ``i`` (16 rows, against its first row: ``E = exp(G - G_first_i)``, <= 1) meets sub-chunk ``j``
+    through ``J = exp(G_first_i - G_last_j)`` per K column: <= 1 below the diagonal, <= exp(15 |lower_bound|) on
+    it, zero above. So an underflowing factor only ever multiplies factors <= 1 (the true term underflows too).
+    The strip's rows take ``dA[i, :] (XF J)``, one ``[16, BT] x [BT, BK]`` product each for ``dq`` and the row side
+    of ``dk``; the chunk's columns gather ``(dA[i, :]^T (q E)) J`` (and the ``k`` term) in a ``[BT, BK]``
+    accumulator, finished with ``exp(G_last - G)`` after the last strip. ``dq`` and the row sides go to
+    ``dqh`` / ``dkh`` / ``dGh`` strip by strip, the column sides at the end."""
+    i_c, i_h, i_k = _chunk_program(NK, H)
+    t0 = tl.load(chunk_start + i_c).to(tl.int64)
+    nv = tl.load(chunk_len + i_c)
+    # int32 offsets from per-(chunk, head) base pointers: an int64 offset tile holds two registers per element
+    base = (t0 * H + i_h) * K
+    qb, kb, Gb, dqb, dkb, dGb = q + base, k + base, G + base, dqh + base, dkh + base, dGh + base
+    rqb, rkb, betab = rq + t0 * H + i_h, rk + t0 * H + i_h, beta_raw + t0 * H + i_h
+    dAqb, dAkb = dAq + (t0 * H + i_h) * BT, dAk + (t0 * H + i_h) * BT
+    r = tl.arange(0, BT)
+    valid = r < nv
+    c = i_k * BK + tl.arange(0, BK)
+    cm = c < K
+    m2 = valid[:, None] & cm[None, :]
+    off = (r * H * K)[:, None] + c[None, :]
+    # G on the last row of each row's sub-chunk
+    Gl = tl.load(Gb + (tl.minimum((r // 16) * 16 + 15, nv - 1) * H * K)[:, None] + c[None, :], mask=m2, other=0.0)
+    Ga = tl.load(Gb + off, mask=m2, other=0.0)
+    XF = tl.load(kb + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rkb + r * H, mask=valid, other=0.0)[:, None]
+    XF *= tl.exp(tl.where(m2, Gl - Ga, float("-inf")))
+    acc_c = tl.full([BT, BK], 0.0, tl.float32)
+    o = tl.arange(0, 16)
+    for i in range(0, tl.cdiv(nv, 16)):
+        ri = i * 16 + o
+        vi = ri < nv
+        m2i = vi[:, None] & cm[None, :]
+        offi = (ri * H * K)[:, None] + c[None, :]
+        first = tl.load(Gb + i * 16 * H * K + c, mask=cm, other=0.0)
+        E = tl.exp(tl.where(m2i, tl.load(Gb + offi, mask=m2i, other=0.0) - first[None, :], float("-inf")))
+        qi = tl.load(qb + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rqb + ri * H, mask=vi, other=0.0)[:, None]
+        ki = tl.load(kb + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rkb + ri * H, mask=vi, other=0.0)[:, None]
+        bi = _load_beta(betab, ri * H, vi, BETA_SIGMOID)
+        J = tl.exp(tl.where(m2 & ((r // 16) <= i)[:, None], first[None, :] - Gl, float("-inf")))
+        offA = (ri * H * BT)[:, None] + r[None, :]
+        aq = tl.load(dAqb + offA, mask=vi[:, None], other=0.0)
+        ak = tl.load(dAkb + offA, mask=vi[:, None], other=0.0)
+        xj = XF * J
+        dq_i = (scale * E) * _dot(aq, xj, P, EMU)
+        y = E * _dot(ak, xj, P, EMU)
+        dk_row = bi[:, None] * y
+        acc_c += (_dot(tl.trans(aq), (scale * qi) * E, P, EMU) + _dot(tl.trans(ak), (bi[:, None] * ki) * E, P, EMU)) * J
+        dq_t = tl.load(dqb + offi, mask=m2i, other=0.0) + dq_i
+        dk_t = tl.load(dkb + offi, mask=m2i, other=0.0) + dk_row
+        dG_t = tl.load(dGb + offi, mask=m2i, other=0.0) + (qi * dq_i + ki * dk_row)
+        tl.debug_barrier()  # every thread has read its inter-chunk parts before they are overwritten
+        tl.store(dqb + offi, dq_t, mask=m2i)
+        tl.store(dkb + offi, dk_t, mask=m2i)
+        tl.store(dGb + offi, dG_t, mask=m2i)
+        tl.store(dbeta_part + i_k * n_tok * H + (t0 + ri) * H + i_h, _sum(ki * y, 1), mask=vi)
+    tl.debug_barrier()  # the row sides stored above are read back below, possibly by other threads
+    dk_col = tl.exp(tl.where(m2, Gl - tl.load(Gb + off, mask=m2, other=0.0), float("-inf"))) * acc_c
+    ka = tl.load(kb + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rkb + r * H, mask=valid, other=0.0)[:, None]
+    dk_t = tl.load(dkb + off, mask=m2, other=0.0) + dk_col
+    dG_t = tl.load(dGb + off, mask=m2, other=0.0) - ka * dk_col
+    tl.debug_barrier()
+    tl.store(dkb + off, dk_t, mask=m2)
+    tl.store(dGb + off, dG_t, mask=m2)
+
+
 @_helper
 def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
     """dx from g = d(x / max(||x||, eps)) = dxh: rstd (g - xh (xh . g)) above eps, rstd g below."""
@@ -1674,7 +1766,9 @@ def _backward(do, dht, saved, layout, meta):
     KP = max(16, triton.next_power_of_2(K))
     bkb = min(cfg.bwd_block_k, KP)  # K tile of the WY kernel: no wider than K (rounded up to a power of two)
     nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
-    nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
+    per_chunk = cfg.bwd_intra == "chunks"
+    bki = cfg.bwd_intra_chunk_block_k if per_chunk else cfg.bwd_intra_block_k
+    nki = triton.cdiv(K, bki)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, h_unit, v_new, _ = _run_state_forward(
@@ -1736,13 +1830,21 @@ def _backward(do, dht, saved, layout, meta):
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
+    intra = (
         q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
-        P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps,
-        num_stages=cfg.bwd_intra_num_stages,
     )  # fmt: skip
+    intra_meta = dict(
+        H=H, K=K, BT=BT, BK=bki, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra, EMU=meta.emu
+    )
+    if per_chunk:
+        _bwd_intra_chunk_kernel[(N * H * nki,)](
+            *intra, **intra_meta, num_warps=cfg.bwd_intra_chunk_num_warps, num_stages=cfg.num_stages
+        )
+    else:
+        _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
+            *intra, **intra_meta, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.bwd_intra_num_stages
+        )
     nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
     _bwd_finish_kernel[(N * H * (nkf + 2),)](
         q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
