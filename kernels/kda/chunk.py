@@ -22,9 +22,10 @@ Design decisions
   recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the
   V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
   w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
-  program per 16-row sub-chunk (or per chunk: ``ChunkKDAConfig.bwd_intra``); and a last kernel for the reverse
-  cumulative sum of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the L2-norm and
-  sigmoid backward (two more per chunk and head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
+  program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum of ``dG`` and the gate's
+  backward (one program per chunk, head and K tile) and the L2-norm and sigmoid backward (two more per chunk and
+  head). ``ChunkKDAConfig.bwd_intra="chunks"`` forms the intra-chunk gradients with one program per (chunk,
+  head, K tile) instead, which also runs the gate's backward on its tile. No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
   cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -215,15 +216,18 @@ class ChunkKDAConfig:
             every block its sub-chunk meets and takes each visited tile's exponentials again.
             ``"chunks"``: one program per (chunk, head, K tile), which factors every key tile once and runs the
             chunk as four 16-row strips in a loop, the column sides gathered in one ``[BT, K tile]``
-            accumulator (``_bwd_intra_chunk_kernel``). Not yet timed on a GPU; in the sm_90 compile it takes
-            252 registers without spill at the defaults below (docs/BENCHMARKS.md, twenty-first pass).
+            accumulator, and then runs the gate's backward on the tile's complete ``dG`` (the last kernel's
+            gate part, on ``bwd_intra_chunk_block_k`` tiles), so ``dG`` skips a round trip through memory
+            (``_bwd_intra_chunk_kernel``). Not yet timed on a GPU; in the sm_90 compile it takes 252
+            registers without spill at the defaults below (docs/BENCHMARKS.md, twenty-first pass).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel (16-row tiles).
         bwd_intra_num_stages: pipelining depth of the backward intra-chunk kernel's loops over the sub-chunks it
             interacts with. On an H100 at 2·8192·32·128 that kernel took 1.88 ms at 3, 1.92 at 2 and 1.91 at 1.
-        bwd_intra_chunk_block_k: K tile of the ``bwd_intra="chunks"`` kernel. 32 at 4 warps spills (80 / 52
-            bytes per thread in the sm_90 compile); 16 at 4 warps and 32 at 8 do not.
+        bwd_intra_chunk_block_k: K tile of the ``bwd_intra="chunks"`` kernel. 32 at 4 warps spills (60 / 32
+            bytes per thread in the sm_90 compile), 16 at 4 warps a little (32 / 16); 16 and 32 at 8 warps do
+            not.
         bwd_intra_chunk_num_warps: warps per program of that kernel.
         bwd_finish_block_k: K tile of the last backward kernel's gate part (reverse cumulative sum of ``dG``
             and the gate backward, one program per (chunk, head, K tile) on the whole chunk); two more programs
@@ -1137,7 +1141,14 @@ def _bwd_wy_k_kernel(
     nv = tl.load(chunk_len + i_c)
     r = tl.arange(0, BT)
     valid = r < nv
-    row = (t0 + r) * H + i_h  # token-major row index of (token, head)
+    # int32 offsets within the chunk from per-(chunk, head) base pointers: an int64 offset tile holds two
+    # registers per element
+    row0 = t0 * H + i_h  # token-major row of (first token, head)
+    q, k, G, w, dqh, dkh, dGh = q + row0 * K, k + row0 * K, G + row0 * K, w + row0 * K, dqh + row0 * K, \
+        dkh + row0 * K, dGh + row0 * K
+    v_new, dvn, do = v_new + row0 * V, dvn + row0 * V, do + row0 * V
+    rq, rk, beta_raw, Tkk = rq + row0, rk + row0, beta_raw + row0, Tkk + row0 * BT
+    row = r * H  # rows after the base
     c = i_k * BK + tl.arange(0, BK)
     cm = c < K
     m2k = valid[:, None] & cm[None, :]
@@ -1148,6 +1159,7 @@ def _bwd_wy_k_kernel(
     dgl = tl.full([BK], 0.0, tl.float32)  # sum_v S * dS'
     hbase = (i_c.to(tl.int64) * H + i_h) * K * V
     ubase = (i_c.to(tl.int64) * H + i_h) * V  # the column factors of the H16 / DH16 forms
+    h, dh, h_unit, dh_unit = h + hbase, dh + hbase, h_unit + ubase, dh_unit + ubase
     # a runtime loop: unrolled (static_range), every V tile's loads were issued up front and the kernel spilled
     # 616 bytes per thread; as a loop it is 1.94 -> 1.64 ms at 2·8192·32·128 on an H200 (same tiles)
     for vv in range(0, V, BV):
@@ -1155,14 +1167,14 @@ def _bwd_wy_k_kernel(
         vm = cv < V
         m2v = valid[:, None] & vm[None, :]
         offv = row[:, None] * V + cv[None, :]
-        hoff = hbase + c[:, None] * V + cv[None, :]
+        hoff = c[:, None] * V + cv[None, :]
         hm = cm[:, None] & vm[None, :]
         hs = tl.load(h + hoff, mask=hm, other=0.0).to(tl.float32)
         if H16:
-            hs *= tl.load(h_unit + ubase + cv, mask=vm, other=0.0)[None, :]
+            hs *= tl.load(h_unit + cv, mask=vm, other=0.0)[None, :]
         dhs = tl.load(dh + hoff, mask=hm, other=0.0).to(tl.float32)
         if DH16:
-            dhs *= tl.load(dh_unit + ubase + cv, mask=vm, other=0.0)[None, :]
+            dhs *= tl.load(dh_unit + cv, mask=vm, other=0.0)[None, :]
         dot_ = tl.load(do + offv, mask=m2v, other=0.0).to(tl.float32)
         dvt = tl.load(dvn + offv, mask=m2v, other=0.0)
         vnt = tl.load(v_new + offv, mask=m2v, other=0.0)
@@ -1171,34 +1183,32 @@ def _bwd_wy_k_kernel(
         dw -= _dot(dvt, hsT, P, EMU)
         dkt += _dot(vnt, tl.trans(dhs), P, EMU)
         dgl += _sum(hs * dhs, 1)
-    iq = tl.load(rq + row, mask=valid, other=0.0)
-    ik = tl.load(rk + row, mask=valid, other=0.0)
-    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
-    qt = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * iq[:, None]
-    kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * ik[:, None]
+    # w = T (beta k exp(G)): both products of dw before the epilogue's tiles are loaded, so that dw dies first
+    offT = row[:, None] * BT + r[None, :]
+    x = _dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), dw, P, EMU)
+    part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
+    tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + row0 * BT + offT, part, mask=valid[:, None])
     Gt = tl.load(G + offk, mask=m2k, other=0.0)
-    Gl = tl.load(G + ((t0 + nv - 1) * H + i_h) * K + c, mask=cm, other=0.0)
     gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
     dq_ = scale * gam * dqi
-    dG = qt * dq_
+    tl.store(dqh + offk, dq_, mask=m2k)
+    dG = (tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * tl.load(rq + row, mask=valid, other=0.0)[:, None]) * dq_
     # S' = exp(G_last) S + (k exp(G_last - G))^T v_new
+    Gl = tl.load(G + (nv - 1) * H * K + c, mask=cm, other=0.0)
     dk_ = tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf"))) * dkt
+    kt = tl.load(k + offk, mask=m2k, other=0.0).to(tl.float32) * tl.load(rk + row, mask=valid, other=0.0)[:, None]
     tt = kt * dk_
     dG -= tt
     dglt = _sum(tt, 0) + tl.exp(Gl) * dgl
     dG += tl.where((r == nv - 1)[:, None], dglt[None, :], 0.0)
-    # w = T (beta k exp(G))
-    offT = row[:, None] * BT + r[None, :]
-    x = _dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), dw, P, EMU)
-    dk_ += beta_f[:, None] * gam * x
-    kgx = kt * gam * x
+    beta_f = _load_beta(beta_raw, row, valid, BETA_SIGMOID)
+    gx = gam * x
+    dk_ += beta_f[:, None] * gx
+    kgx = kt * gx
     dG += beta_f[:, None] * kgx
-    tl.store(dqh + offk, dq_, mask=m2k)
     tl.store(dkh + offk, dk_, mask=m2k)
     tl.store(dGh + offk, dG, mask=m2k)
-    tl.store(dbeta_part + (SLOT0 + i_k) * n_tok * H + row, _sum(kgx, 1), mask=valid)
-    part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
-    tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + offT, part, mask=valid[:, None])
+    tl.store(dbeta_part + (SLOT0 + i_k) * n_tok * H + row0 + row, _sum(kgx, 1), mask=valid)
 
 
 @triton.jit
@@ -1327,6 +1337,7 @@ def _bwd_intra_kernel(
 def _bwd_intra_chunk_kernel(
     q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
+    g_raw, A_log, dt_bias, dg_raw, ddt_part, dalog_part, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
@@ -1340,7 +1351,9 @@ def _bwd_intra_chunk_kernel(
     The strip's rows take ``dA[i, :] (XF J)``, one ``[16, BT] x [BT, BK]`` product each for ``dq`` and the row side
     of ``dk``; the chunk's columns gather ``(dA[i, :]^T (q E)) J`` (and the ``k`` term) in a ``[BT, BK]``
     accumulator, finished with ``exp(G_last - G)`` after the last strip. ``dq`` and the row sides go to
-    ``dqh`` / ``dkh`` / ``dGh`` strip by strip, the column sides at the end."""
+    ``dqh`` / ``dkh`` / ``dGh`` strip by strip, the column sides at the end, where the program then holds the
+    tile's whole ``dG`` and runs the gate's backward on it (``_gate_bwd``, the finish kernel's gate part), so
+    ``dG`` is not written back and read again."""
     i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -1396,7 +1409,27 @@ def _bwd_intra_chunk_kernel(
     dG_t = tl.load(dGb + off, mask=m2, other=0.0) - ka * dk_col
     tl.debug_barrier()
     tl.store(dkb + off, dk_t, mask=m2)
-    tl.store(dGb + off, dG_t, mask=m2)
+    _gate_bwd(dG_t, g_raw + base, dt_bias, A_log, dg_raw + base, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h,
+              lower_bound, H=H, K=K, EMU=EMU)  # fmt: skip
+
+
+@_helper
+def _gate_bwd(dG, g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h, lower_bound,
+              H: tl.constexpr, K: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
+    """The gate's backward on one (chunk, head, K tile), from that tile's complete ``dG`` (``[BT, K tile]``, zero
+    outside the sequence): the reverse cumulative sum of ``G = cumsum(g)``, then through ``g = lower_bound *
+    sigmoid(z)``, ``z = rate * (g_raw + dt_bias)`` (clamped below at -80) to ``dg_raw`` at ``off`` and the
+    chunk's sums for ``dt_bias`` and ``A_log``."""
+    dg = _revcumsum(dG, 0)
+    rate, rate_ok = _gate_rate(A_log, i_h)
+    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+    z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
+    dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+    tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
+    poff = (i_c.to(tl.int64) * H + i_h) * K + c
+    tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
+    # dz = 0 wherever z is infinite
+    tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
 
 
 @_helper
@@ -1423,7 +1456,8 @@ def _bwd_finish_kernel(
     parts. One (chunk, head, part): parts below ``NKT`` take one K tile of the whole chunk, the reverse
     cumulative sum of dG and the gate backward (-> dg_raw, and the per-chunk sums for dt_bias and A_log);
     part ``NKT`` the L2-norm backward of dq and the sigmoid backward of dbeta, part ``NKT + 1`` the L2-norm
-    backward of dk, 16 rows at a time.
+    backward of dk, 16 rows at a time. ``NKT = 0`` where the intra-chunk kernel ran the gate part
+    (``bwd_intra="chunks"``).
 
     Every column is independent except in the L2 norm, so the gate work splits by K tile, as in the forward
     gate kernel. Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel
@@ -1443,17 +1477,8 @@ def _bwd_finish_kernel(
         cm = c < K
         m2 = valid[:, None] & cm[None, :]
         off = row[:, None] * K + c[None, :]
-        dg = _revcumsum(tl.load(dGh + off, mask=m2, other=0.0), 0)
-        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
-        rate, rate_ok = _gate_rate(A_log, i_h)
-        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-        z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
-        dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-        tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
-        poff = (i_c.to(tl.int64) * H + i_h) * K + c
-        tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
-        # dz = 0 wherever z is infinite
-        tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
+        _gate_bwd(tl.load(dGh + off, mask=m2, other=0.0), g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part,
+                  off, m2, c, cm, i_c, i_h, lower_bound, H=H, K=K, EMU=EMU)  # fmt: skip
     else:
         o16 = tl.arange(0, 16)
         kc = tl.arange(0, KP)
@@ -1837,15 +1862,17 @@ def _backward(do, dht, saved, layout, meta):
     intra_meta = dict(
         H=H, K=K, BT=BT, BK=bki, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra, EMU=meta.emu
     )
-    if per_chunk:
+    if per_chunk:  # with the gate's backward: the finish kernel keeps only its L2-norm and sigmoid parts
         _bwd_intra_chunk_kernel[(N * H * nki,)](
-            *intra, **intra_meta, num_warps=cfg.bwd_intra_chunk_num_warps, num_stages=cfg.num_stages
-        )
+            *intra, g_raw, A_log, dt_bias, dg_raw, ddt_part, dalog_part, meta.lower_bound, **intra_meta,
+            num_warps=cfg.bwd_intra_chunk_num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        nkf = 0
     else:
         _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
             *intra, **intra_meta, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.bwd_intra_num_stages
         )
-    nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
+        nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
     _bwd_finish_kernel[(N * H * (nkf + 2),)](
         q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
         dq, dk, dg_raw, dbeta, ddt_part, dalog_part,
