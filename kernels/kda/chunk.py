@@ -785,6 +785,12 @@ def _fwd_solve_kernel(
     i_c, i_h, _ = _chunk_program(1, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
+    # int32 offsets from per-(chunk, head) base pointers (an int64 offset tile holds two registers per element):
+    # the helpers below then see the chunk's first token as token 0 of head 0
+    row0 = t0 * H + i_h
+    q, k, G, rq, rk, beta_raw = q + row0 * K, k + row0 * K, G + row0 * K, rq + row0, rk + row0, beta_raw + row0
+    Aqk, Dinv, Tout = Aqk + row0 * BT, Dinv + row0 * 16, Tout + row0 * BT
+    t0, i_h = 0, 0
     z = tl.full([16, 16], 0.0, tl.float32)
     aq10, ak10, aq20, ak20, aq21, ak21 = z, z, z, z, z, z
     aq30, ak30, aq31, ak31, aq32, ak32 = z, z, z, z, z, z
@@ -1313,15 +1319,20 @@ def _bwd_intra_kernel(
     i_k = part % NK
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
+    # int32 offsets from per-(chunk, head) base pointers: an int64 offset tile holds two registers per element.
+    # _intra_grads then sees the chunk's first token as token 0 of head 0.
+    row0 = t0 * H + i_h
+    q, k, G, dqh, dkh, dGh = q + row0 * K, k + row0 * K, G + row0 * K, dqh + row0 * K, dkh + row0 * K, dGh + row0 * K
+    rq, rk, beta_raw, dAq, dAk = rq + row0, rk + row0, beta_raw + row0, dAq + row0 * BT, dAk + row0 * BT
     c = i_k * BK + tl.arange(0, BK)
     cm = c < K
     rb = b * 16 + tl.arange(0, 16)
     vb = rb < nv
-    rowb = (t0 + rb) * H + i_h  # token-major row index of (token, head)
+    rowb = rb * H  # token-major row index after the base
     m2b = vb[:, None] & cm[None, :]
     offb = rowb[:, None] * K + c[None, :]
     dq_i, dk_i, dG_i, db_i = _intra_grads(
-        q, k, beta_raw, G, rq, rk, dAq, dAk, t0, nv, i_h, b, c, cm, scale, H, K, BT, BK, BETA_SIGMOID, P, EMU
+        q, k, beta_raw, G, rq, rk, dAq, dAk, 0, nv, 0, b, c, cm, scale, H, K, BT, BK, BETA_SIGMOID, P, EMU
     )
     dq_t = tl.load(dqh + offb, mask=m2b, other=0.0) + dq_i
     dk_t = tl.load(dkh + offb, mask=m2b, other=0.0) + dk_i
@@ -1330,7 +1341,7 @@ def _bwd_intra_kernel(
     tl.store(dqh + offb, dq_t, mask=m2b)
     tl.store(dkh + offb, dk_t, mask=m2b)
     tl.store(dGh + offb, dG_t, mask=m2b)
-    tl.store(dbeta_part + i_k * n_tok * H + rowb, db_i, mask=vb)
+    tl.store(dbeta_part + i_k * n_tok * H + row0 + rowb, db_i, mask=vb)
 
 
 @triton.jit
