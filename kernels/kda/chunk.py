@@ -155,9 +155,9 @@ class ChunkKDAConfig:
         diag_block_k: K tile of that kernel (its tiles are ``[16, diag_block_k]``).
         solve_num_warps: warps per program of its below-diagonal kernel (twelve 16 x 16 accumulators for 64-token
             chunks).
-        solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers with 16 bytes of
-            spill at 2 warps and 16 at 240 without; on a variant of the kernel 16 was no faster
-            (docs/BENCHMARKS.md, twentieth pass).
+        solve_block_k: K tile of that kernel. In the sm_90 compile 32 sits at 255 registers and 16 at 231,
+            neither with spill (with int64 offsets 32 spilled 16 bytes); on a variant of the kernel 16 was no
+            faster (docs/BENCHMARKS.md, twentieth and twenty-first passes).
         num_stages: software-pipelining depth of the chunk-parallel kernels' loops (Triton's
             ``num_stages``); each stage holds a copy of the loop's tiles in shared memory.
         state_block_v: V tile of the forward state kernel when its operands are bf16 (inference: no
@@ -202,8 +202,9 @@ class ChunkKDAConfig:
             (64-wide tiles, both with a runtime V loop) and ``dA_kk`` from 0.18 to 0.145 ms (one partial
             product fewer).
         bwd_wy_k_num_warps: warps per program of that kernel. Its three ``[BT, bwd_block_k]`` fp32
-            accumulators stay live across the V loop; at 8 warps and 128-wide tiles it holds them with a
-            small spill (208 bytes per thread in the sm_90 compile); at 4 warps it spills 4.6 KB.
+            accumulators stay live across the V loop; at 8 warps and 128-wide tiles it holds them without
+            spill in the sm_90 compile (twenty-first pass; 208 bytes per thread when it was first timed); at 4
+            warps it spills 1.9 KB.
         bwd_block_v: V tile of the backward chunk-parallel kernels' loops over V (``dA_qk``, WY-V); not
             WY-K's. 32 -> 64 on an H200 at 2·8192·32·128: ``dA_qk`` 0.176 -> 0.136 ms, WY-V 0.398 -> 0.358.
         bwd_wy_k_block_v: V tile of the WY-K kernel's loop over V. It stays at 32: that kernel slows at 64
