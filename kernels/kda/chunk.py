@@ -21,7 +21,7 @@ Design decisions
   ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the reverse state
   recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the
   V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
-  w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)``; the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
+  w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)`` (in the WY-K kernel itself where it takes the whole K); the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
   program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum of ``dG`` and the gate's
   backward (one program per chunk, head and K tile) and the L2-norm and sigmoid backward (two more per chunk and
   head). ``ChunkKDAConfig.bwd_intra="chunks"`` forms the intra-chunk gradients with one program per (chunk,
@@ -1131,7 +1131,7 @@ def _bwd_wy_v_kernel(
 @triton.jit
 def _bwd_wy_k_kernel(
     q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit, dh, dh_unit, do,
-    dqh, dkh, dGh, dAk_part, dbeta_part,
+    dqh, dkh, dGh, dAk_part, dAk, dbeta_part,
     chunk_start, chunk_len, n_tok, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, SLOT0: tl.constexpr,
@@ -1141,8 +1141,10 @@ def _bwd_wy_k_kernel(
 
     Writes this tile's inter-chunk parts of dq, dk, dG, its share of dbeta (slot ``SLOT0 + i_k`` of
     ``dbeta_part``) and dw w^T (slot ``1 + i_k`` of ``dAk_part``). By default the K tile is the whole K
-    (``ChunkKDAConfig.bwd_block_k``), so the V-side tiles are read once per (chunk, head). ``H16`` / ``DH16``:
-    the states / their gradients come as fp16 tiles with one factor per column (the state kernels' ``H16``)."""
+    (``ChunkKDAConfig.bwd_block_k``), so the V-side tiles are read once per (chunk, head), and then the
+    program has the whole ``dw w^T``: it finishes ``dA_kk = -T^T (du u^T + dw w^T)`` itself (the ``dA_kk``
+    kernel's work, with ``du u^T`` from slot 0) and writes it to ``dAk``. ``H16`` / ``DH16``: the states /
+    their gradients come as fp16 tiles with one factor per column (the state kernels' ``H16``)."""
     i_c, i_h, i_k = _chunk_program(NK, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -1194,7 +1196,13 @@ def _bwd_wy_k_kernel(
     offT = row[:, None] * BT + r[None, :]
     x = _dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), dw, P, EMU)
     part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
-    tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + row0 * BT + offT, part, mask=valid[:, None])
+    if NK == 1:  # same sum and product as _bwd_dak_kernel
+        part += tl.load(dAk_part + row0 * BT + offT, mask=valid[:, None], other=0.0)
+        dA = -_dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), part, P, EMU)
+        dA = tl.where(valid[:, None] & (r[None, :] < r[:, None]), dA, 0.0)
+        tl.store(dAk + row0 * BT + offT, dA, mask=valid[:, None])
+    else:
+        tl.store(dAk_part + (1 + i_k) * n_tok * H * BT + row0 * BT + offT, part, mask=valid[:, None])
     Gt = tl.load(G + offk, mask=m2k, other=0.0)
     gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
     dq_ = scale * gam * dqi
@@ -1835,7 +1843,8 @@ def _backward(do, dht, saved, layout, meta):
     del qg, kd, gl, Aqk
 
     dv = _alloc((NT, H, V), v.dtype, dev, poison)
-    dAk_part = _alloc((1 + nkb, NT, H, BT), f32, dev, poison)  # du u^T, then dw w^T of every K tile
+    # du u^T, then dw w^T of every K tile where there are several (with one, WY-K finishes dA_kk itself)
+    dAk_part = _alloc((1 + nkb if nkb > 1 else 1, NT, H, BT), f32, dev, poison)
     dbeta_wy = _alloc((NT, H), f32, dev, poison)
     dbeta_part = _alloc((nki + nkb, NT, H), f32, dev, poison)  # the intra kernel's K tiles, then the WY kernel's
     _bwd_wy_v_kernel[(N * H,)](
@@ -1845,20 +1854,21 @@ def _backward(do, dht, saved, layout, meta):
     dqh = _alloc((NT, H, K), f32, dev, poison)
     dkh = _alloc((NT, H, K), f32, dev, poison)
     dGh = _alloc((NT, H, K), f32, dev, poison)
+    dAk = _alloc((NT, H, BT), f32, dev, poison)
     _bwd_wy_k_kernel[(N * H * nkb,)](
         q, k, beta_raw, G, rq, rk, Tkk, w, v_new, dvn, h, h_unit if h_unit is not None else G, dh,
-        dh_unit if dh16 else G, do, dqh, dkh, dGh, dAk_part, dbeta_part,
+        dh_unit if dh16 else G, do, dqh, dkh, dGh, dAk_part, dAk, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
         H=H, K=K, V=V, BT=BT, BK=bkb, BV=cfg.bwd_wy_k_block_v, NK=nkb, SLOT0=nki,
         H16=h_unit is not None, DH16=dh16, BETA_SIGMOID=meta.beta_sigmoid,
         P=meta.prec, EMU=meta.emu, num_warps=cfg.bwd_wy_k_num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     del h, h_unit, dh, dh_unit, dvn, v_new
-    dAk = _alloc((NT, H, BT), f32, dev, poison)
-    _bwd_dak_kernel[(N * H,)](
-        Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,
-        H=H, BT=BT, NPART=1 + nkb, P=meta.prec, EMU=meta.emu, **chunked,
-    )  # fmt: skip
+    if nkb > 1:
+        _bwd_dak_kernel[(N * H,)](
+            Tkk, dAk_part, dAk, layout.chunk_start, layout.chunk_len, NT,
+            H=H, BT=BT, NPART=1 + nkb, P=meta.prec, EMU=meta.emu, **chunked,
+        )  # fmt: skip
     del dAk_part
 
     dq = _alloc((NT, H, K), q.dtype, dev, poison)
