@@ -19,13 +19,14 @@ Design decisions
   output from the state before it (the chunk states only when they are asked for: a separate output kernel that
   read them back took 0.19 ms of 0.52 at 2·8192·32·128, the fused stage 0.37). Backward recomputes the states and
   ``v_new`` (stage 5 again, without the output) instead of keeping them, then: ``dA_qk``; the reverse state
-  recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the
-  V side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
-  w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)`` (in the WY-K kernel itself where it takes the whole K); the intra-chunk gradients through ``A_qk`` / ``A_kk``, one
-  program per 16-row sub-chunk; and a last kernel for the reverse cumulative sum of ``dG`` and the gate's
-  backward (one program per chunk, head and K tile) and the L2-norm and sigmoid backward (two more per chunk and
-  head). ``ChunkKDAConfig.bwd_intra="chunks"`` forms the intra-chunk gradients with one program per (chunk,
-  head, K tile) instead, which also runs the gate's backward on its tile. No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
+  recurrence (``dS`` per chunk, ``dv_new``, ``d initial_state``); the WY-transform gradients in two kernels, the V
+  side (``dv``, ``du u^T``) and one program per K tile (``dq``, ``dk``, ``dG`` of the inter-chunk terms, ``dw
+  w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)`` (in the WY-K kernel itself where it takes the whole K); the
+  intra-chunk gradients through ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the
+  reverse cumulative sum of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the
+  L2-norm and sigmoid backward (two more per chunk and head). ``ChunkKDAConfig.bwd_intra="chunks"`` forms the
+  intra-chunk gradients with one program per (chunk, head, K tile) instead, which also runs the gate's backward on
+  its tile. No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
   cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -1153,8 +1154,8 @@ def _bwd_wy_k_kernel(
     # int32 offsets within the chunk from per-(chunk, head) base pointers: an int64 offset tile holds two
     # registers per element
     row0 = t0 * H + i_h  # token-major row of (first token, head)
-    q, k, G, w, dqh, dkh, dGh = q + row0 * K, k + row0 * K, G + row0 * K, w + row0 * K, dqh + row0 * K, \
-        dkh + row0 * K, dGh + row0 * K
+    q, k, G, w = q + row0 * K, k + row0 * K, G + row0 * K, w + row0 * K
+    dqh, dkh, dGh = dqh + row0 * K, dkh + row0 * K, dGh + row0 * K
     v_new, dvn, do = v_new + row0 * V, dvn + row0 * V, do + row0 * V
     rq, rk, beta_raw, Tkk = rq + row0, rk + row0, beta_raw + row0, Tkk + row0 * BT
     row = r * H  # rows after the base
@@ -1207,7 +1208,8 @@ def _bwd_wy_k_kernel(
     gam = tl.exp(tl.where(m2k, Gt, float("-inf")))
     dq_ = scale * gam * dqi
     tl.store(dqh + offk, dq_, mask=m2k)
-    dG = (tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * tl.load(rq + row, mask=valid, other=0.0)[:, None]) * dq_
+    qt = tl.load(q + offk, mask=m2k, other=0.0).to(tl.float32) * tl.load(rq + row, mask=valid, other=0.0)[:, None]
+    dG = qt * dq_
     # S' = exp(G_last) S + (k exp(G_last - G))^T v_new
     Gl = tl.load(G + (nv - 1) * H * K + c, mask=cm, other=0.0)
     dk_ = tl.exp(tl.where(m2k, Gl[None, :] - Gt, float("-inf"))) * dkt
