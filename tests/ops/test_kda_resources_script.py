@@ -32,7 +32,8 @@ def _table(stdout: str) -> dict[str, dict[str, list[int]]]:
 
 
 def test_each_pass_lists_the_kernels_it_launches_with_their_registers_and_products():
-    proc = _run("--only", "fwd_gate|bwd_dak", "--shape", "1", "64", "2", "32")
+    # two WY-K tiles over K = 32: with one, WY-K forms dA_kk itself and the dA_kk kernel is not launched
+    proc = _run("--only", "fwd_gate|bwd_dak", "--shape", "1", "64", "2", "32", "--config", "bwd_block_k=16")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sm_90a, Triton ")
     tables = _table(proc.stdout)
@@ -42,6 +43,12 @@ def test_each_pass_lists_the_kernels_it_launches_with_their_registers_and_produc
     assert (warps, 0 < registers <= 255) == (4, True)
     assert wgmma > 0 and mma == 0  # dA_kk = -T^T (...): one [64, 64] product, a warp-group instruction on sm_90
     assert tables["training"]["fwd_gate"][5:] == [0, 0]  # the gate kernel has no matrix product
+
+
+def test_the_dak_kernel_is_not_launched_when_one_wy_k_tile_covers_k():
+    proc = _run("--only", "bwd_dak", "--shape", "1", "64", "2", "32")
+    assert proc.returncode == 2
+    assert "--only 'bwd_dak' matches none of the kernels chunk_kda launches" in proc.stderr
 
 
 def test_a_launch_that_runs_out_of_registers_shows_its_spills():
