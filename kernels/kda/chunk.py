@@ -1195,11 +1195,12 @@ def _bwd_wy_k_kernel(
         dgl += _sum(hs * dhs, 1)
     # w = T (beta k exp(G)): both products of dw before the epilogue's tiles are loaded, so that dw dies first
     offT = row[:, None] * BT + r[None, :]
-    x = _dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), dw, P, EMU)
+    TmT = tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0))
+    x = _dot(TmT, dw, P, EMU)
     part = _dot(dw, tl.trans(tl.load(w + offk, mask=m2k, other=0.0)), P, EMU)
     if NK == 1:  # same sum and product as _bwd_dak_kernel
         part += tl.load(dAk_part + row0 * BT + offT, mask=valid[:, None], other=0.0)
-        dA = -_dot(tl.trans(tl.load(Tkk + offT, mask=valid[:, None], other=0.0)), part, P, EMU)
+        dA = -_dot(TmT, part, P, EMU)
         dA = tl.where(valid[:, None] & (r[None, :] < r[:, None]), dA, 0.0)
         tl.store(dAk + row0 * BT + offT, dA, mask=valid[:, None])
     else:
@@ -1380,10 +1381,10 @@ def _bwd_intra_chunk_kernel(
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
     # int32 offsets from per-(chunk, head) base pointers: an int64 offset tile holds two registers per element
-    base = (t0 * H + i_h) * K
-    qb, kb, Gb, dqb, dkb, dGb = q + base, k + base, G + base, dqh + base, dkh + base, dGh + base
-    rqb, rkb, betab = rq + t0 * H + i_h, rk + t0 * H + i_h, beta_raw + t0 * H + i_h
-    dAqb, dAkb = dAq + (t0 * H + i_h) * BT, dAk + (t0 * H + i_h) * BT
+    row0 = t0 * H + i_h
+    q, k, G, g_raw, dg_raw = q + row0 * K, k + row0 * K, G + row0 * K, g_raw + row0 * K, dg_raw + row0 * K
+    dqh, dkh, dGh = dqh + row0 * K, dkh + row0 * K, dGh + row0 * K
+    rq, rk, beta_raw, dAq, dAk = rq + row0, rk + row0, beta_raw + row0, dAq + row0 * BT, dAk + row0 * BT
     r = tl.arange(0, BT)
     valid = r < nv
     c = i_k * BK + tl.arange(0, BK)
@@ -1391,9 +1392,9 @@ def _bwd_intra_chunk_kernel(
     m2 = valid[:, None] & cm[None, :]
     off = (r * H * K)[:, None] + c[None, :]
     # G on the last row of each row's sub-chunk
-    Gl = tl.load(Gb + (tl.minimum((r // 16) * 16 + 15, nv - 1) * H * K)[:, None] + c[None, :], mask=m2, other=0.0)
-    Ga = tl.load(Gb + off, mask=m2, other=0.0)
-    XF = tl.load(kb + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rkb + r * H, mask=valid, other=0.0)[:, None]
+    Gl = tl.load(G + (tl.minimum((r // 16) * 16 + 15, nv - 1) * H * K)[:, None] + c[None, :], mask=m2, other=0.0)
+    Ga = tl.load(G + off, mask=m2, other=0.0)
+    XF = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + r * H, mask=valid, other=0.0)[:, None]
     XF *= tl.exp(tl.where(m2, Gl - Ga, float("-inf")))
     acc_c = tl.full([BT, BK], 0.0, tl.float32)
     o = tl.arange(0, 16)
@@ -1402,36 +1403,37 @@ def _bwd_intra_chunk_kernel(
         vi = ri < nv
         m2i = vi[:, None] & cm[None, :]
         offi = (ri * H * K)[:, None] + c[None, :]
-        first = tl.load(Gb + i * 16 * H * K + c, mask=cm, other=0.0)
-        E = tl.exp(tl.where(m2i, tl.load(Gb + offi, mask=m2i, other=0.0) - first[None, :], float("-inf")))
-        qi = tl.load(qb + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rqb + ri * H, mask=vi, other=0.0)[:, None]
-        ki = tl.load(kb + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rkb + ri * H, mask=vi, other=0.0)[:, None]
-        bi = _load_beta(betab, ri * H, vi, BETA_SIGMOID)
+        first = tl.load(G + i * 16 * H * K + c, mask=cm, other=0.0)
+        E = tl.exp(tl.where(m2i, tl.load(G + offi, mask=m2i, other=0.0) - first[None, :], float("-inf")))
+        qi = tl.load(q + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rq + ri * H, mask=vi, other=0.0)[:, None]
+        ki = tl.load(k + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rk + ri * H, mask=vi, other=0.0)[:, None]
+        bi = _load_beta(beta_raw, ri * H, vi, BETA_SIGMOID)
         J = tl.exp(tl.where(m2 & ((r // 16) <= i)[:, None], first[None, :] - Gl, float("-inf")))
         offA = (ri * H * BT)[:, None] + r[None, :]
-        aq = tl.load(dAqb + offA, mask=vi[:, None], other=0.0)
-        ak = tl.load(dAkb + offA, mask=vi[:, None], other=0.0)
+        aq = tl.load(dAq + offA, mask=vi[:, None], other=0.0)
+        ak = tl.load(dAk + offA, mask=vi[:, None], other=0.0)
         xj = XF * J
         dq_i = (scale * E) * _dot(aq, xj, P, EMU)
         y = E * _dot(ak, xj, P, EMU)
         dk_row = bi[:, None] * y
         acc_c += (_dot(tl.trans(aq), (scale * qi) * E, P, EMU) + _dot(tl.trans(ak), (bi[:, None] * ki) * E, P, EMU)) * J
-        dq_t = tl.load(dqb + offi, mask=m2i, other=0.0) + dq_i
-        dk_t = tl.load(dkb + offi, mask=m2i, other=0.0) + dk_row
-        dG_t = tl.load(dGb + offi, mask=m2i, other=0.0) + (qi * dq_i + ki * dk_row)
+        dq_t = tl.load(dqh + offi, mask=m2i, other=0.0) + dq_i
+        dk_t = tl.load(dkh + offi, mask=m2i, other=0.0) + dk_row
+        dG_t = tl.load(dGh + offi, mask=m2i, other=0.0) + (qi * dq_i + ki * dk_row)
         tl.debug_barrier()  # every thread has read its inter-chunk parts before they are overwritten
-        tl.store(dqb + offi, dq_t, mask=m2i)
-        tl.store(dkb + offi, dk_t, mask=m2i)
-        tl.store(dGb + offi, dG_t, mask=m2i)
-        tl.store(dbeta_part + i_k * n_tok * H + (t0 + ri) * H + i_h, _sum(ki * y, 1), mask=vi)
+        tl.store(dqh + offi, dq_t, mask=m2i)
+        tl.store(dkh + offi, dk_t, mask=m2i)
+        tl.store(dGh + offi, dG_t, mask=m2i)
+        tl.store(dbeta_part + i_k * n_tok * H + row0 + ri * H, _sum(ki * y, 1), mask=vi)
     tl.debug_barrier()  # the row sides stored above are read back below, possibly by other threads
-    dk_col = tl.exp(tl.where(m2, Gl - tl.load(Gb + off, mask=m2, other=0.0), float("-inf"))) * acc_c
-    ka = tl.load(kb + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rkb + r * H, mask=valid, other=0.0)[:, None]
-    dk_t = tl.load(dkb + off, mask=m2, other=0.0) + dk_col
-    dG_t = tl.load(dGb + off, mask=m2, other=0.0) - ka * dk_col
+    # G and k read again rather than kept live through the loop (registers)
+    dk_col = tl.exp(tl.where(m2, Gl - tl.load(G + off, mask=m2, other=0.0), float("-inf"))) * acc_c
+    ka = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + r * H, mask=valid, other=0.0)[:, None]
+    dk_t = tl.load(dkh + off, mask=m2, other=0.0) + dk_col
+    dG_t = tl.load(dGh + off, mask=m2, other=0.0) - ka * dk_col
     tl.debug_barrier()
-    tl.store(dkb + off, dk_t, mask=m2)
-    _gate_bwd(dG_t, g_raw + base, dt_bias, A_log, dg_raw + base, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h,
+    tl.store(dkh + off, dk_t, mask=m2)
+    _gate_bwd(dG_t, g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h,
               lower_bound, H=H, K=K, EMU=EMU)  # fmt: skip
 
 
