@@ -24,9 +24,7 @@ Design decisions
   w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)`` (in the WY-K kernel itself where it takes the whole K); the
   intra-chunk gradients through ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the
   reverse cumulative sum of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the
-  L2-norm and sigmoid backward (two more per chunk and head). ``ChunkKDAConfig.bwd_intra="chunks"`` forms the
-  intra-chunk gradients with one program per (chunk, head, K tile) instead, which also runs the gate's backward on
-  its tile. No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
+  L2-norm and sigmoid backward (two more per chunk and head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
   cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
@@ -121,7 +119,6 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_SIZES = (16, 32, 64)
 _PRECISIONS = ("auto", "bf16", "tf32", "split", "ieee")
 _INTRA_SOLVES = ("strips", "blocks")
-_BWD_INTRAS = ("sub_chunks", "chunks")
 
 
 @dataclass(frozen=True)
@@ -213,24 +210,11 @@ class ChunkKDAConfig:
             on an older form of it).
         bwd_num_warps: warps per program of the backward chunk-parallel kernels (except the WY-K one above
             and the two below).
-        bwd_intra: how the backward forms the intra-chunk gradients (through ``A_qk`` and ``A_kk``).
-            ``"sub_chunks"`` (default): one program per (chunk, head, 16-row sub-chunk, K tile), which visits
-            every block its sub-chunk meets and takes each visited tile's exponentials again.
-            ``"chunks"``: one program per (chunk, head, K tile), which factors every key tile once and runs the
-            chunk as four 16-row strips in a loop, the column sides gathered in one ``[BT, K tile]``
-            accumulator, and then runs the gate's backward on the tile's complete ``dG`` (the last kernel's
-            gate part, on ``bwd_intra_chunk_block_k`` tiles), so ``dG`` skips a round trip through memory
-            (``_bwd_intra_chunk_kernel``). Not yet timed on a GPU; in the sm_90 compile it takes 252
-            registers without spill at the defaults below (docs/BENCHMARKS.md, twenty-first pass).
         bwd_intra_block_k: K tile of the backward intra-chunk kernel (one program per chunk, head,
             16-row sub-chunk and K tile; its tiles are ``[16, bwd_intra_block_k]``).
         bwd_intra_num_warps: warps per program of the backward intra-chunk kernel (16-row tiles).
         bwd_intra_num_stages: pipelining depth of the backward intra-chunk kernel's loops over the sub-chunks it
             interacts with. On an H100 at 2·8192·32·128 that kernel took 1.88 ms at 3, 1.92 at 2 and 1.91 at 1.
-        bwd_intra_chunk_block_k: K tile of the ``bwd_intra="chunks"`` kernel. 32 at 4 warps spills (60 / 32
-            bytes per thread in the sm_90 compile), 16 at 4 warps a little (32 / 16); 16 and 32 at 8 warps do
-            not.
-        bwd_intra_chunk_num_warps: warps per program of that kernel.
         bwd_finish_block_k: K tile of the last backward kernel's gate part (reverse cumulative sum of ``dG``
             and the gate backward, one program per (chunk, head, K tile) on the whole chunk); two more programs
             per (chunk, head) take the L2-norm backward of ``dq`` and of ``dk`` (with ``dbeta``'s sigmoid
@@ -287,12 +271,9 @@ class ChunkKDAConfig:
     bwd_wy_k_block_v: int = 32
     bwd_num_warps: int = 4
     bwd_wy_k_num_warps: int = 8
-    bwd_intra: str = "sub_chunks"
     bwd_intra_block_k: int = 64
     bwd_intra_num_warps: int = 2
     bwd_intra_num_stages: int = 3
-    bwd_intra_chunk_block_k: int = 32
-    bwd_intra_chunk_num_warps: int = 8
     bwd_finish_block_k: int = 32
     bwd_finish_num_warps: int = 2
     precision: str = "auto"
@@ -303,7 +284,7 @@ class ChunkKDAConfig:
         for name in (
             "block_k", "block_k_fp32", "intra_block_k", "diag_block_k", "solve_block_k", "gate_block_k",
             "block_v", "state_block_v", "state_block_v_fp32", "bwd_state_block_v", "bwd_block_k", "bwd_block_v",
-            "bwd_wy_k_block_v", "bwd_intra_block_k", "bwd_intra_chunk_block_k", "bwd_finish_block_k",
+            "bwd_wy_k_block_v", "bwd_intra_block_k", "bwd_finish_block_k",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
@@ -318,7 +299,7 @@ class ChunkKDAConfig:
         for name in (
             "num_warps", "inverse_num_warps", "diag_num_warps", "solve_num_warps", "state_num_warps",
             "state_num_warps_fp32", "bwd_state_num_warps", "bwd_num_warps", "bwd_wy_k_num_warps",
-            "bwd_intra_num_warps", "bwd_intra_chunk_num_warps", "bwd_finish_num_warps",
+            "bwd_intra_num_warps", "bwd_finish_num_warps",
         ):
             value = getattr(self, name)
             if value not in (1, 2, 4, 8, 16):
@@ -328,8 +309,6 @@ class ChunkKDAConfig:
                 raise ValueError(f"ChunkKDAConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.intra_solve not in _INTRA_SOLVES:
             raise ValueError(f"ChunkKDAConfig.intra_solve must be one of {_INTRA_SOLVES}, got {self.intra_solve!r}")
-        if self.bwd_intra not in _BWD_INTRAS:
-            raise ValueError(f"ChunkKDAConfig.bwd_intra must be one of {_BWD_INTRAS}, got {self.bwd_intra!r}")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"ChunkKDAConfig.precision must be one of {_PRECISIONS}, got {self.precision!r}")
 
@@ -1356,87 +1335,6 @@ def _bwd_intra_kernel(
     tl.store(dbeta_part + i_k * n_tok * H + row0 + rowb, db_i, mask=vb)
 
 
-@triton.jit
-def _bwd_intra_chunk_kernel(
-    q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
-    chunk_start, chunk_len, n_tok, scale,
-    g_raw, A_log, dt_bias, dg_raw, ddt_part, dalog_part, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, P: tl.constexpr, EMU: tl.constexpr,
-):  # fmt: skip
-    """One (chunk, head, K tile): the intra-chunk gradients of the whole chunk (``ChunkKDAConfig.bwd_intra=
-    "chunks"``), the sums of ``_intra_grads`` with every key tile read and its exponentials taken once.
-
-    Each sub-chunk is factored against its own last row: ``XF = k exp(G_last - G)`` (<= 1) for the whole chunk,
-    once. Strip ``i`` (16 rows, against its first row: ``E = exp(G - G_first_i)``, <= 1) meets sub-chunk ``j``
-    through ``J = exp(G_first_i - G_last_j)`` per K column: <= 1 below the diagonal, <= exp(15 |lower_bound|) on
-    it, zero above. So an underflowing factor only ever multiplies factors <= 1 (the true term underflows too).
-    The strip's rows take ``dA[i, :] (XF J)``, one ``[16, BT] x [BT, BK]`` product each for ``dq`` and the row side
-    of ``dk``; the chunk's columns gather ``(dA[i, :]^T (q E)) J`` (and the ``k`` term) in a ``[BT, BK]``
-    accumulator, finished with ``exp(G_last - G)`` after the last strip. ``dq`` and the row sides go to
-    ``dqh`` / ``dkh`` / ``dGh`` strip by strip, the column sides at the end, where the program then holds the
-    tile's whole ``dG`` and runs the gate's backward on it (``_gate_bwd``, the finish kernel's gate part), so
-    ``dG`` is not written back and read again."""
-    i_c, i_h, i_k = _chunk_program(NK, H)
-    t0 = tl.load(chunk_start + i_c).to(tl.int64)
-    nv = tl.load(chunk_len + i_c)
-    # int32 offsets from per-(chunk, head) base pointers: an int64 offset tile holds two registers per element
-    row0 = t0 * H + i_h
-    q, k, G, g_raw, dg_raw = q + row0 * K, k + row0 * K, G + row0 * K, g_raw + row0 * K, dg_raw + row0 * K
-    dqh, dkh, dGh = dqh + row0 * K, dkh + row0 * K, dGh + row0 * K
-    rq, rk, beta_raw, dAq, dAk = rq + row0, rk + row0, beta_raw + row0, dAq + row0 * BT, dAk + row0 * BT
-    r = tl.arange(0, BT)
-    valid = r < nv
-    c = i_k * BK + tl.arange(0, BK)
-    cm = c < K
-    m2 = valid[:, None] & cm[None, :]
-    off = (r * H * K)[:, None] + c[None, :]
-    # G on the last row of each row's sub-chunk
-    Gl = tl.load(G + (tl.minimum((r // 16) * 16 + 15, nv - 1) * H * K)[:, None] + c[None, :], mask=m2, other=0.0)
-    Ga = tl.load(G + off, mask=m2, other=0.0)
-    XF = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + r * H, mask=valid, other=0.0)[:, None]
-    XF *= tl.exp(tl.where(m2, Gl - Ga, float("-inf")))
-    acc_c = tl.full([BT, BK], 0.0, tl.float32)
-    o = tl.arange(0, 16)
-    for i in range(0, tl.cdiv(nv, 16)):
-        ri = i * 16 + o
-        vi = ri < nv
-        m2i = vi[:, None] & cm[None, :]
-        offi = (ri * H * K)[:, None] + c[None, :]
-        first = tl.load(G + i * 16 * H * K + c, mask=cm, other=0.0)
-        E = tl.exp(tl.where(m2i, tl.load(G + offi, mask=m2i, other=0.0) - first[None, :], float("-inf")))
-        qi = tl.load(q + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rq + ri * H, mask=vi, other=0.0)[:, None]
-        ki = tl.load(k + offi, mask=m2i, other=0.0).to(tl.float32) * tl.load(rk + ri * H, mask=vi, other=0.0)[:, None]
-        bi = _load_beta(beta_raw, ri * H, vi, BETA_SIGMOID)
-        J = tl.exp(tl.where(m2 & ((r // 16) <= i)[:, None], first[None, :] - Gl, float("-inf")))
-        offA = (ri * H * BT)[:, None] + r[None, :]
-        aq = tl.load(dAq + offA, mask=vi[:, None], other=0.0)
-        ak = tl.load(dAk + offA, mask=vi[:, None], other=0.0)
-        xj = XF * J
-        dq_i = (scale * E) * _dot(aq, xj, P, EMU)
-        y = E * _dot(ak, xj, P, EMU)
-        dk_row = bi[:, None] * y
-        acc_c += (_dot(tl.trans(aq), (scale * qi) * E, P, EMU) + _dot(tl.trans(ak), (bi[:, None] * ki) * E, P, EMU)) * J
-        dq_t = tl.load(dqh + offi, mask=m2i, other=0.0) + dq_i
-        dk_t = tl.load(dkh + offi, mask=m2i, other=0.0) + dk_row
-        dG_t = tl.load(dGh + offi, mask=m2i, other=0.0) + (qi * dq_i + ki * dk_row)
-        tl.debug_barrier()  # every thread has read its inter-chunk parts before they are overwritten
-        tl.store(dqh + offi, dq_t, mask=m2i)
-        tl.store(dkh + offi, dk_t, mask=m2i)
-        tl.store(dGh + offi, dG_t, mask=m2i)
-        tl.store(dbeta_part + i_k * n_tok * H + row0 + ri * H, _sum(ki * y, 1), mask=vi)
-    tl.debug_barrier()  # the row sides stored above are read back below, possibly by other threads
-    # G and k read again rather than kept live through the loop (registers)
-    dk_col = tl.exp(tl.where(m2, Gl - tl.load(G + off, mask=m2, other=0.0), float("-inf"))) * acc_c
-    ka = tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * tl.load(rk + r * H, mask=valid, other=0.0)[:, None]
-    dk_t = tl.load(dkh + off, mask=m2, other=0.0) + dk_col
-    dG_t = tl.load(dGh + off, mask=m2, other=0.0) - ka * dk_col
-    tl.debug_barrier()
-    tl.store(dkh + off, dk_t, mask=m2)
-    _gate_bwd(dG_t, g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h,
-              lower_bound, H=H, K=K, EMU=EMU)  # fmt: skip
-
-
 @_helper
 def _gate_bwd(dG, g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h, lower_bound,
               H: tl.constexpr, K: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
@@ -1480,8 +1378,7 @@ def _bwd_finish_kernel(
     parts. One (chunk, head, part): parts below ``NKT`` take one K tile of the whole chunk, the reverse
     cumulative sum of dG and the gate backward (-> dg_raw, and the per-chunk sums for dt_bias and A_log);
     part ``NKT`` the L2-norm backward of dq and the sigmoid backward of dbeta, part ``NKT + 1`` the L2-norm
-    backward of dk, 16 rows at a time. ``NKT = 0`` where the intra-chunk kernel ran the gate part
-    (``bwd_intra="chunks"``).
+    backward of dk, 16 rows at a time.
 
     Every column is independent except in the L2 norm, so the gate work splits by K tile, as in the forward
     gate kernel. Tried and dropped (docs/BENCHMARKS.md): the intra-chunk gradients computed in this kernel
@@ -1489,7 +1386,10 @@ def _bwd_finish_kernel(
     the two kernels at 2·8192·32·128 on an H200; this kernel fused into the intra-chunk one (one program per
     (chunk, head) looping over its K tiles and sub-chunks, then over rows it had just written) 3.21 ms against
     1.92 + 0.68 on an H100: eight times fewer programs than the intra-chunk kernel has, to hide the same
-    loads' latency."""
+    loads' latency; one program per (chunk, head, K tile) that factored each key tile once, looped over the
+    four 16-row strips with the column sides in a ``[64, K tile]`` accumulator and then ran this gate part on
+    its tile took 6.40 ms against 1.75 + 0.17 ms of the two kernels' parts at 8·4096·16·128 on an H100
+    (3.70 at 4 warps, 10.7 on 16-wide tiles), though it compiled to 252 registers without spill."""
     i_c, i_h, part = _chunk_program(NKT + 2, H)
     t0 = tl.load(chunk_start + i_c).to(tl.int64)
     nv = tl.load(chunk_len + i_c)
@@ -1815,9 +1715,7 @@ def _backward(do, dht, saved, layout, meta):
     KP = max(16, triton.next_power_of_2(K))
     bkb = min(cfg.bwd_block_k, KP)  # K tile of the WY kernel: no wider than K (rounded up to a power of two)
     nkb = triton.cdiv(K, bkb)  # K tiles of the WY kernel
-    per_chunk = cfg.bwd_intra == "chunks"
-    bki = cfg.bwd_intra_chunk_block_k if per_chunk else cfg.bwd_intra_block_k
-    nki = triton.cdiv(K, bki)  # K tiles of the intra-chunk kernel
+    nki = triton.cdiv(K, cfg.bwd_intra_block_k)  # K tiles of the intra-chunk kernel
     chunked = dict(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages)
 
     h, h_unit, v_new, _ = _run_state_forward(
@@ -1881,24 +1779,13 @@ def _backward(do, dht, saved, layout, meta):
     dbeta = _alloc((NT, H), beta_raw.dtype, dev, poison)
     ddt_part = _alloc((N, H, K), f32, dev, poison)
     dalog_part = _alloc((N, H, K), f32, dev, poison)
-    intra = (
+    _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
         q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
+        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
+        EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.bwd_intra_num_stages,
     )  # fmt: skip
-    intra_meta = dict(
-        H=H, K=K, BT=BT, BK=bki, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra, EMU=meta.emu
-    )
-    if per_chunk:  # with the gate's backward: the finish kernel keeps only its L2-norm and sigmoid parts
-        _bwd_intra_chunk_kernel[(N * H * nki,)](
-            *intra, g_raw, A_log, dt_bias, dg_raw, ddt_part, dalog_part, meta.lower_bound, **intra_meta,
-            num_warps=cfg.bwd_intra_chunk_num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        nkf = 0
-    else:
-        _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
-            *intra, **intra_meta, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.bwd_intra_num_stages
-        )
-        nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
+    nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
     _bwd_finish_kernel[(N * H * (nkf + 2),)](
         q, k, g_raw, beta_raw, A_log, dt_bias, rq, rk, dqh, dkh, dGh, dbeta_wy, dbeta_part,
         dq, dk, dg_raw, dbeta, ddt_part, dalog_part,

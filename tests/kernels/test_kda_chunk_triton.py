@@ -116,19 +116,18 @@ def test_varlen_forward_backward_states(dtype):
     _assert_all(pairs, dtype)
 
 
-@pytest.mark.parametrize(("intra_solve", "bwd_intra"), [("blocks", "sub_chunks"), ("strips", "chunks")])
+@pytest.mark.parametrize("intra_solve", ["blocks", "strips"])
 @pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 32),
                                                 (torch.bfloat16, 16)])
-def test_intra_solves_match_the_reference(intra_solve, bwd_intra, dtype, chunk_size):
-    # Both ways of forming A_qk and T, and both ways of forming their gradients: four, two and one sub-chunks
-    # per chunk, packed sequences with tails and one shorter than a chunk, states in and out, training and
-    # inference (where T is written in bf16). The gates are shifted to decay slowly, so that the blocks far
-    # below the diagonal of A_kk and T carry weight.
+def test_intra_solves_match_the_reference(intra_solve, dtype, chunk_size):
+    # Both ways of forming A_qk and T: four, two and one sub-chunks per chunk, packed sequences with tails and
+    # one shorter than a chunk, states in and out, training and inference (where T is written in bf16). The
+    # gates are shifted to decay slowly, so that the blocks far below the diagonal of A_kk and T carry weight.
     gen = fresh_generator()
     cu = torch.tensor([0, 70, 83, 130], dtype=torch.int32)
     inputs = _inputs(gen, 1, 130, 3, dtype)
     inputs[3] = inputs[3] - 6.0
-    config = ChunkKDAConfig(poison=True, intra_solve=intra_solve, bwd_intra=bwd_intra)
+    config = ChunkKDAConfig(poison=True, intra_solve=intra_solve)
     pairs = _run_both(inputs, dtype, cu_seqlens=cu, config=config, chunk_size=chunk_size)
     with torch.no_grad():
         o_lean, _ = chunk_kda(
@@ -208,8 +207,6 @@ def test_backward_state_kernel_takes_fp16_products_only_unpipelined_on_fp16_tile
             block_k=64, block_k_fp32=32, bwd_block_k=16, bwd_intra_block_k=32, bwd_finish_block_k=128,
             bwd_finish_num_warps=4, intra_solve="strips", intra_block_k=16,
         ),
-        # the per-chunk backward intra kernel over two K tiles
-        dict(bwd_intra="chunks", bwd_intra_chunk_block_k=16),
     ],
 )
 def test_tiles_smaller_than_the_head_dims(tiles):
@@ -376,9 +373,6 @@ def test_cu_seqlens_needs_a_packed_batch():
         ("inverse_num_warps", 0, r"ChunkKDAConfig.inverse_num_warps must be one of 1, 2, 4, 8, 16, got 0"),
         ("solve_num_warps", 3, r"ChunkKDAConfig.solve_num_warps must be one of 1, 2, 4, 8, 16, got 3"),
         ("intra_solve", "rows", r"ChunkKDAConfig.intra_solve must be one of \('strips', 'blocks'\), got 'rows'"),
-        ("bwd_intra", "strips", r"ChunkKDAConfig.bwd_intra must be one of \('sub_chunks', 'chunks'\), got 'strips'"),
-        ("bwd_intra_chunk_block_k", 24, r"ChunkKDAConfig.bwd_intra_chunk_block_k must be a power of two >= 16, got 24"),
-        ("bwd_intra_chunk_num_warps", 5, r"ChunkKDAConfig.bwd_intra_chunk_num_warps must be one of 1, 2, 4, 8, 16, got 5"),
         ("precision", "fp8", r"ChunkKDAConfig.precision must be one of \('auto', 'bf16', 'tf32', 'split', 'ieee'\), got 'fp8'"),
     ],
 )
