@@ -9,7 +9,8 @@ One call, on a CUDA machine, that
    (bytes read + written), bf16 matrix throughput from an 8192^3 product;
 3. times every kernel next to a peer, with CUDA events (warm-up, then the median of >= 20 runs), and prints a
    table (kernel, shape, ours ms, peer ms, peer/ours, achieved TB/s or TFLOP/s, % of the measured ceiling);
-   ``--json FILE`` writes everything (checks, ceilings, rows) as JSON, rewritten after every section.
+   ``--json FILE`` writes everything (checks, ceilings, rows) as JSON, rewritten after every check and row,
+   so a run stopped part-way keeps what it measured.
 
 Inference-style rows (decode steps, forward-only kernels) are timed as CUDA-graph replays, ours and the peer
 alike: that is GPU time without the host's launch overhead (tens of microseconds per Triton launch, as much as
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -141,11 +143,19 @@ def _rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, quick: bool, iters: int, only: list[str] | None):
+    """One benchmark run. With ``json_path`` the report is rewritten after every check, row and tuning result,
+    so a run stopped part-way (a time limit, say: the peer's first autotuning takes minutes per shape) keeps
+    everything it measured."""
+
+    def __init__(self, quick: bool, iters: int, only: list[str] | None, json_path: str | None = None):
         self.quick, self.iters, self.only = quick, iters, only
+        self.json_path = json_path
         self.kda_shapes: list[tuple[int, int, int, int]] | None = None  # None: KDA_CHUNK_SHAPES
         self.report = Report()
         self.dev = torch.device("cuda")
+
+    def save(self) -> None:
+        _write_json(self.report, self.json_path)
 
     def wants(self, name: str) -> bool:
         return not self.only or any(o in name for o in self.only)
@@ -160,6 +170,7 @@ class Bench:
         """Records a relative RMS error against the tolerance of ``dtype`` (a NaN or inf error fails)."""
         ok = err <= CHECK_TOL[dtype]
         self.report.checks.append({"check": name, "rel_rms": err, "tolerance": CHECK_TOL[dtype], "ok": bool(ok)})
+        self.save()
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: rel RMS {err:.2e} (tol {CHECK_TOL[dtype]:.0e})")
 
     def try_time(self, fn, what: str, graph: bool = False) -> float | None:
@@ -179,6 +190,7 @@ class Bench:
         except Exception as exc:  # a broken kernel must show in the report, not abort the other sections
             traceback.print_exc()
             self.report.checks.append({"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            self.save()
             print(f"  [FAIL] {name}: {type(exc).__name__}: {exc}")
 
     def add(self, row: Row, bytes_moved: float | None = None, flops: float | None = None) -> None:
@@ -190,6 +202,7 @@ class Bench:
                 row.metric, row.unit = flops / row.ours_ms / 1e9, "TFLOP/s"
                 row.ceiling_pct = 100 * row.metric / self.report.ceilings["bf16_mm_TFLOPs"]
         self.report.rows.append(row)
+        self.save()
         achieved = ""
         if row.metric:
             achieved = f", {row.metric:.2f} {row.unit}"
@@ -665,6 +678,7 @@ def _sweep(bench: Bench, name: str, configs, make_fn, bytes_moved=None, flops=No
         print(f"  {name}: {ms:.4f} ms {rate:.2f} {'TB/s' if bytes_moved else 'TFLOP/s'} {cfg}")
     if results:
         bench.report.tuning.append({"kernel": name, "best": asdict(results[0][1]), "ms": results[0][0]})
+        bench.save()
 
 
 def tune(bench: Bench, which: list[str]) -> None:
@@ -779,13 +793,21 @@ def _print_table(report: Report) -> None:
 
 
 def _write_json(report: Report, path: str | None) -> None:
+    """Writes the report to ``path`` through a temporary file and a rename, so the file is always a whole
+    report: the one before or the one after, even if the run is killed while writing."""
     if not path:
         return
     data = asdict(report)
     for row, obj in zip(data["rows"], report.rows, strict=True):
         row["ratio_peer_over_ours"] = obj.ratio
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=2, default=str)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=2, default=str)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -818,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         print("k3.kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
               file=sys.stderr)
         return 2
-    bench = Bench(args.quick, iters, args.only)
+    bench = Bench(args.quick, iters, args.only, json_path=args.json)
     bench.kda_shapes = kda_shapes
     import triton
 
@@ -834,11 +856,11 @@ def main(argv: list[str] | None = None) -> int:
         bench.report.versions["fla-core"] = getattr(fla_pkg, "__version__", "?")
     print(f"device: {bench.report.device}; versions: {bench.report.versions}")
     bench.ceilings()
+    bench.save()
     for name, fn in SECTIONS.items():
         print(f"\n== {name}")
         bench.guarded(name, lambda fn=fn: fn(bench))
         torch.cuda.empty_cache()
-        _write_json(bench.report, args.json)  # after every section, so an interrupted run keeps what it measured
     if args.tune is not None:
         print("\n== tuning")
         try:
@@ -846,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # tuning is advisory; the table below still prints
             traceback.print_exc()
     _print_table(bench.report)
-    _write_json(bench.report, args.json)
+    bench.save()
     return 0 if all(c["ok"] for c in bench.report.checks) else 1
 
 
