@@ -925,8 +925,9 @@ def _fwd_state_kernel(
     vm = vc < V
     hm = km[:, None] & vm[None, :]
     hoff = kc[:, None] * V + vc[None, :]
+    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # this sequence's state; int64, as sequences x H x K x V can pass 2^31
     if HAS_H0:
-        S = tl.load(h0 + (n * H + i_h) * K * V + hoff, mask=hm, other=0.0).to(tl.float32)
+        S = tl.load(h0 + seq_state + hoff, mask=hm, other=0.0).to(tl.float32)
     else:
         S = tl.full([KP, BV], 0.0, tl.float32)
     for ci in range(0, (L + BT - 1) // BT):
@@ -965,7 +966,7 @@ def _fwd_state_kernel(
         else:
             S = S * tl.exp(Gl)[:, None] + _dot(tl.trans(kdt), vn, P, EMU)
     if STORE_FINAL:
-        tl.store(ht + (n * H + i_h) * K * V + hoff, S, mask=hm)
+        tl.store(ht + seq_state + hoff, S, mask=hm)
 
 
 # =============================================================================================== backward
@@ -1033,8 +1034,9 @@ def _bwd_state_kernel(
     vm = vc < V
     hm = km[:, None] & vm[None, :]
     hoff = kc[:, None] * V + vc[None, :]
+    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # this sequence's state; int64, as sequences x H x K x V can pass 2^31
     if HAS_DHT:
-        dS = tl.load(dht + (n * H + i_h) * K * V + hoff, mask=hm, other=0.0).to(tl.float32)
+        dS = tl.load(dht + seq_state + hoff, mask=hm, other=0.0).to(tl.float32)
     else:
         dS = tl.full([KP, BV], 0.0, tl.float32)
     nch = (L + BT - 1) // BT
@@ -1072,7 +1074,7 @@ def _bwd_state_kernel(
         else:
             dS = dS * tl.exp(Gl)[:, None] + _dot(tl.trans(qgt), dot_, P, EMU) - _dot(tl.trans(wt), dv_, P, EMU)
     if STORE_DH0:
-        tl.store(dh0 + (n * H + i_h) * K * V + hoff, dS, mask=hm)
+        tl.store(dh0 + seq_state + hoff, dS, mask=hm)
 
 
 @triton.jit
