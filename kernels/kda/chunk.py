@@ -24,8 +24,8 @@ Design decisions
   w^T``); ``dA_kk = -T^T (du u^T + sum dw w^T)`` (in the WY-K kernel itself where it takes the whole K); the
   intra-chunk gradients through ``A_qk`` / ``A_kk``, one program per 16-row sub-chunk; and a last kernel for the
   reverse cumulative sum of ``dG`` and the gate's backward (one program per chunk, head and K tile) and the
-  L2-norm and sigmoid backward (two more per chunk and head). No Python loop runs over chunks: chunk and sequence index tables are built on the host (vectorised,
-  cached per layout).
+  L2-norm and sigmoid backward (two more per chunk and head). No Python loop runs over chunks: chunk and sequence
+  index tables are built on the host (vectorised, cached per layout).
 * Grid order. Chunk-parallel kernels run on a 1-D grid in which the parts of one (chunk, head) -- strips,
   sub-chunks, K or V tiles -- are neighbours, then the heads of one chunk: programs that load the same
   tiles run together and share them through L2.
@@ -925,7 +925,7 @@ def _fwd_state_kernel(
     vm = vc < V
     hm = km[:, None] & vm[None, :]
     hoff = kc[:, None] * V + vc[None, :]
-    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # this sequence's state; int64, as sequences x H x K x V can pass 2^31
+    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # int64: sequences x H x K x V can pass 2^31
     if HAS_H0:
         S = tl.load(h0 + seq_state + hoff, mask=hm, other=0.0).to(tl.float32)
     else:
@@ -1034,7 +1034,7 @@ def _bwd_state_kernel(
     vm = vc < V
     hm = km[:, None] & vm[None, :]
     hoff = kc[:, None] * V + vc[None, :]
-    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # this sequence's state; int64, as sequences x H x K x V can pass 2^31
+    seq_state = (n.to(tl.int64) * H + i_h) * K * V  # int64: sequences x H x K x V can pass 2^31
     if HAS_DHT:
         dS = tl.load(dht + seq_state + hoff, mask=hm, other=0.0).to(tl.float32)
     else:
@@ -1338,25 +1338,6 @@ def _bwd_intra_kernel(
 
 
 @_helper
-def _gate_bwd(dG, g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part, off, m2, c, cm, i_c, i_h, lower_bound,
-              H: tl.constexpr, K: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
-    """The gate's backward on one (chunk, head, K tile), from that tile's complete ``dG`` (``[BT, K tile]``, zero
-    outside the sequence): the reverse cumulative sum of ``G = cumsum(g)``, then through ``g = lower_bound *
-    sigmoid(z)``, ``z = rate * (g_raw + dt_bias)`` (clamped below at -80) to ``dg_raw`` at ``off`` and the
-    chunk's sums for ``dt_bias`` and ``A_log``."""
-    dg = _revcumsum(dG, 0)
-    rate, rate_ok = _gate_rate(A_log, i_h)
-    dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
-    z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
-    dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
-    tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
-    poff = (i_c.to(tl.int64) * H + i_h) * K + c
-    tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
-    # dz = 0 wherever z is infinite
-    tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
-
-
-@_helper
 def _l2norm_bwd(x, rx, dxh, dx, off, m2, row, tm, L2NORM: tl.constexpr, EMU: tl.constexpr):
     """dx from g = d(x / max(||x||, eps)) = dxh: rstd (g - xh (xh . g)) above eps, rstd g below."""
     g = tl.load(dxh + off, mask=m2, other=0.0)
@@ -1403,8 +1384,17 @@ def _bwd_finish_kernel(
         cm = c < K
         m2 = valid[:, None] & cm[None, :]
         off = row[:, None] * K + c[None, :]
-        _gate_bwd(tl.load(dGh + off, mask=m2, other=0.0), g_raw, dt_bias, A_log, dg_raw, ddt_part, dalog_part,
-                  off, m2, c, cm, i_c, i_h, lower_bound, H=H, K=K, EMU=EMU)  # fmt: skip
+        dg = _revcumsum(tl.load(dGh + off, mask=m2, other=0.0), 0)
+        # gate: g = lower_bound * sigmoid(z), z = rate * (g_raw + dt_bias), z clamped below at -80
+        rate, rate_ok = _gate_rate(A_log, i_h)
+        dt = tl.load(dt_bias + i_h * K + c, mask=cm, other=0.0).to(tl.float32)
+        z, sig = _gate_sigmoid(tl.load(g_raw + off, mask=m2, other=0.0).to(tl.float32), dt, rate)
+        dz = tl.where(m2 & (z >= _LOGIT_MIN), dg * (lower_bound * sig * (1.0 - sig)), 0.0)
+        tl.store(dg_raw + off, _out(dz * rate, dg_raw, EMU), mask=m2)
+        poff = (i_c.to(tl.int64) * H + i_h) * K + c
+        tl.store(ddt_part + poff, _sum(dz, 0) * rate, mask=cm)
+        # dz = 0 wherever z is infinite
+        tl.store(dalog_part + poff, _sum(dz * tl.where(dz != 0.0, z, 0.0), 0) * rate_ok, mask=cm)
     else:
         o16 = tl.arange(0, 16)
         kc = tl.arange(0, KP)
@@ -1784,8 +1774,9 @@ def _backward(do, dht, saved, layout, meta):
     _bwd_intra_kernel[(N * H * (BT // _SUB) * nki,)](
         q, k, beta_raw, G, rq, rk, dAq, dAk, dqh, dkh, dGh, dbeta_part,
         layout.chunk_start, layout.chunk_len, NT, meta.scale,
-        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid, P=meta.prec_bwd_intra,
-        EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps, num_stages=cfg.bwd_intra_num_stages,
+        H=H, K=K, BT=BT, BK=cfg.bwd_intra_block_k, NK=nki, BETA_SIGMOID=meta.beta_sigmoid,
+        P=meta.prec_bwd_intra, EMU=meta.emu, num_warps=cfg.bwd_intra_num_warps,
+        num_stages=cfg.bwd_intra_num_stages,
     )  # fmt: skip
     nkf = triton.cdiv(K, cfg.bwd_finish_block_k)
     _bwd_finish_kernel[(N * H * (nkf + 2),)](
